@@ -1,0 +1,195 @@
+"""Plain-torch twins of every kernel: the oracle in tests and the backend for CPU tensors.
+
+Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; its columns are the channels.
+
+- ``slot`` (int32 ``[C]``): -1 for an unselected column, else the column's slot in the compact state.
+- compact ``master``/``exp_avg``/``exp_avg_sq`` (fp32 ``[R, k]``): Adam state of the k selected columns.
+- ``col_step`` (int32 ``[C]``): per-column Adam step count used for bias correction, **already incremented**
+  for the update being applied. Kernels read it and never write it.
+- ``acc`` (fp32 ``[R, C]``): sum of the unselected columns' gradients since the window began. Its
+  selected columns hold no meaning (implementations may or may not write them).
+
+AdamW here is ``torch.optim.AdamW``'s single-tensor update with the bias corrections taken per column.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    check_column_sumsq_args,
+    check_fused_step_args,
+    check_host_adamw_args,
+    check_hyperparams,
+    check_merge_args,
+    check_slot_range,
+)
+
+__all__ = [
+    "adam_update_",
+    "column_sumsq_",
+    "fused_step_",
+    "merge_",
+    "host_adamw_",
+]
+
+
+def adam_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: torch.Tensor | int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+) -> None:
+    """One Adam(W) step on fp32 tensors in place, op for op as ``torch.optim.AdamW`` (foreach=False).
+
+    ``step`` is the (already incremented) step count: an int for the whole tensor, or an int tensor with
+    one count per column (last dimension) whose bias corrections are computed in float64 like torch's.
+    ``decoupled=False`` is Adam with L2-coupled weight decay (``torch.optim.Adam``'s ``weight_decay``).
+    """
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if isinstance(step, torch.Tensor):
+        s = step.to(torch.float64)
+        step_size = (lr / (1 - beta1**s)).to(torch.float32)
+        bc2_sqrt = (1 - beta2**s).sqrt().to(torch.float32)
+        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+        # p + (-step_size) * (m / denom) rounds exactly like addcdiv_ with a scalar value.
+        param.sub_(exp_avg.div(denom).mul_(step_size))
+    else:
+        step_size = lr / (1 - beta1**step)
+        bc2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def column_sumsq_(score: torch.Tensor, grad: torch.Tensor) -> None:
+    """``score[j] += sum_i grad[i, j]**2`` in fp32."""
+    check_column_sumsq_args(score, grad)
+    g = grad.float()
+    score.add_((g * g).sum(dim=0))
+
+
+def fused_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    score: torch.Tensor,
+    slot: torch.Tensor,
+    col_step: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    acc: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+    accumulate: bool,
+    update_score: bool = True,
+    check_slots: bool = False,
+) -> None:
+    """One pass over ``grad [R, C]``: scores, AdamW on selected columns, accumulate the rest.
+
+    (a) if ``update_score``: ``score += colsumsq(grad)``;
+    (b) selected columns (``slot >= 0``): AdamW on the compact fp32 state with this step's gradient and
+        bias correction from ``col_step``; the result is written into ``param`` in its own dtype;
+    (c) unselected columns: ``acc = grad`` (``accumulate=False``, first step of a window) or ``acc += grad``.
+    ``check_slots=True`` also verifies that every slot lies in ``[-1, k)`` (costs a device sync).
+    """
+    _, _, k = check_fused_step_args(
+        param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq, acc=acc,
+    )
+    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if check_slots:
+        check_slot_range(slot, k)
+    if update_score:
+        column_sumsq_(score, grad)
+    # Selected columns of acc carry no meaning, so one dense pass beats a masked gather here.
+    if accumulate:
+        acc.add_(grad)
+    else:
+        acc.copy_(grad)
+    if k == 0:
+        return
+    cols = torch.nonzero(slot >= 0).squeeze(1)
+    if cols.numel() == 0:
+        return
+    slots = slot[cols].long()
+    p = master.index_select(1, slots)
+    m = exp_avg.index_select(1, slots)
+    v = exp_avg_sq.index_select(1, slots)
+    g = grad.index_select(1, cols).float()
+    adam_update_(p, g, m, v, step=col_step[cols], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay, decoupled=decoupled)
+    master[:, slots] = p
+    exp_avg[:, slots] = m
+    exp_avg_sq[:, slots] = v
+    param[:, cols] = p.to(param.dtype)
+
+
+def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:
+    """``param[:, j] = snapshot[:, j]`` for every unselected column j (``slot[j] < 0``)."""
+    check_merge_args(param, snapshot, slot)
+    cols = torch.nonzero(slot < 0).squeeze(1)
+    if cols.numel():
+        param[:, cols] = snapshot.index_select(1, cols)
+
+
+def host_adamw_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    count: int,
+    slot: torch.Tensor,
+    col_step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+    snapshot: torch.Tensor | None = None,
+) -> None:
+    """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` fp32 state.
+
+    The gradient is the mean ``grad / count`` (``grad`` fp32 or bf16, the sum of ``count`` gradients).
+    Updated columns of ``master`` are also written to ``snapshot`` in its dtype (round to nearest even),
+    when given; selected columns of every buffer are left untouched.
+    """
+    check_host_adamw_args(master, exp_avg, exp_avg_sq, grad, slot=slot, col_step=col_step, snapshot=snapshot,
+                          count=count)
+    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    cols = torch.nonzero(slot < 0).squeeze(1)
+    if cols.numel() == 0:
+        return
+    p = master.index_select(1, cols)
+    m = exp_avg.index_select(1, cols)
+    v = exp_avg_sq.index_select(1, cols)
+    g = grad.index_select(1, cols).float()
+    if count != 1:
+        g.div_(count)
+    adam_update_(p, g, m, v, step=col_step[cols], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay, decoupled=decoupled)
+    master[:, cols] = p
+    exp_avg[:, cols] = m
+    exp_avg_sq[:, cols] = v
+    if snapshot is not None:
+        snapshot[:, cols] = p.to(snapshot.dtype)

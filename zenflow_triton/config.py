@@ -1,0 +1,105 @@
+"""The one configuration object shared by the optimizer, the autotuner and the JSON profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+__all__ = ["ZenFlowConfig", "DEFAULT_SELECT_WINDOWS"]
+
+# A selection step first drains the host pipeline (DESIGN §3 step 2), which exposes one host job as stall.
+# Reselecting every 8 windows exposes at most 1/8 of the host work while still following a drifting set of
+# important columns within a few dozen steps (the paper reports high overlap of the top-k sets over hundreds
+# of steps).
+DEFAULT_SELECT_WINDOWS = 8
+
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class ZenFlowConfig:
+    """Optimizer-wide ZenFlow settings (per-group lr/betas/eps/weight_decay live in the param groups)."""
+
+    topk_ratio: Union[float, Auto] = 0.1
+    """Fraction of each offloaded weight's columns updated on the device every step (k = ceil(r*C))."""
+    update_interval: Union[int, Auto] = 4
+    """U: steps per window; the host applies the accumulated unselected columns once per window."""
+    select_interval: int | None = None
+    """S: steps between reselections of the top-k columns, a multiple of U; None means 8*U."""
+    warmup_steps: int = 0
+    """Steps of plain synchronous AdamW on every element before selection starts ("auto" knobs add 5)."""
+    overlap: bool = True
+    """Run host windows asynchronously and apply their result one window late (bounded staleness)."""
+    min_offload_numel: int = 4096
+    """Parameters with ndim >= 2 and at least this many elements are offloaded; the rest stay resident."""
+    cpu_threads: int | None = None
+    """numba threads of the host worker; None leaves one core for the training process."""
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    """Device kernels: triton (CUDA, or CPU under TRITON_INTERPRET=1), torch, or auto (triton on CUDA)."""
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient landing buffer on the host; bfloat16 halves device-to-host traffic."""
+    worker_timeout: float = 600.0
+    """Seconds step() waits for one host job before declaring the worker hung (RuntimeError)."""
+
+    def __post_init__(self) -> None:
+        r = self.topk_ratio
+        if r != "auto" and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0):
+            raise ValueError(f"Invalid topk_ratio: {r!r} (a float in [0, 1] or 'auto')")
+        u = self.update_interval
+        if u != "auto" and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
+            raise ValueError(f"Invalid update_interval: {u!r} (an int >= 1 or 'auto')")
+        s = self.select_interval
+        if s is not None:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise ValueError(f"Invalid select_interval: {s!r} (an int >= 1 or None)")
+            if isinstance(u, int) and s % u != 0:
+                raise ValueError(f"Invalid select_interval: {s} is not a multiple of update_interval={u}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"Invalid warmup_steps: {self.warmup_steps!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"Invalid overlap: {self.overlap!r} (a bool)")
+        n = self.min_offload_numel
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Invalid min_offload_numel: {n!r}")
+        t = self.cpu_threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"Invalid cpu_threads: {t!r} (an int >= 1 or None)")
+        if self.backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"Invalid backend: {self.backend!r} (one of 'auto', 'triton', 'torch')")
+        if self.grad_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Invalid grad_dtype: {self.grad_dtype!r} (one of 'float32', 'bfloat16')")
+        if not (isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
+            raise ValueError(f"Invalid worker_timeout: {self.worker_timeout!r}")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.topk_ratio == "auto" or self.update_interval == "auto"
+
+    def resolved_select_interval(self) -> int:
+        """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""
+        if not isinstance(self.update_interval, int):
+            raise ValueError("select_interval is resolved only once update_interval is concrete")
+        return self.select_interval if self.select_interval is not None else DEFAULT_SELECT_WINDOWS * self.update_interval
+
+    def topk(self, num_columns: int) -> int:
+        """k = ceil(r*C): 0 when r = 0, C when r = 1."""
+        if not isinstance(self.topk_ratio, (int, float)):
+            raise ValueError("topk is defined only once topk_ratio is concrete")
+        # round first: 0.1 * 30 is 3.0000000000000004 in binary floating point, and k must be 3.
+        return min(num_columns, math.ceil(round(self.topk_ratio * num_columns, 6)))
+
+    def replace(self, **changes: Any) -> ZenFlowConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ZenFlowConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown ZenFlowConfig fields: {sorted(unknown)}")
+        return cls(**data)
