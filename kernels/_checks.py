@@ -50,7 +50,9 @@ def _check_tensor(
     if t.is_sparse or t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense strided tensor, got layout {t.layout}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (in-place ops never copy), got strides {t.stride()} for {_describe(t)}")
+        raise ValueError(
+            f"{name} must be contiguous (in-place ops never copy), got strides {t.stride()} for {_describe(t)}"
+        )
     return t
 
 

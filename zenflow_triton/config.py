@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 __all__ = ["ZenFlowConfig", "DEFAULT_SELECT_WINDOWS"]
 
@@ -22,9 +22,9 @@ Auto = Literal["auto"]
 class ZenFlowConfig:
     """Optimizer-wide ZenFlow settings (per-group lr/betas/eps/weight_decay live in the param groups)."""
 
-    topk_ratio: Union[float, Auto] = 0.1
+    topk_ratio: float | Auto = 0.1
     """Fraction of each offloaded weight's columns updated on the device every step (k = ceil(r*C))."""
-    update_interval: Union[int, Auto] = 4
+    update_interval: int | Auto = 4
     """U: steps per window; the host applies the accumulated unselected columns once per window."""
     select_interval: int | None = None
     """S: steps between reselections of the top-k columns, a multiple of U; None means 8*U."""
@@ -81,7 +81,9 @@ class ZenFlowConfig:
         """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""
         if not isinstance(self.update_interval, int):
             raise ValueError("select_interval is resolved only once update_interval is concrete")
-        return self.select_interval if self.select_interval is not None else DEFAULT_SELECT_WINDOWS * self.update_interval
+        if self.select_interval is not None:
+            return self.select_interval
+        return DEFAULT_SELECT_WINDOWS * self.update_interval
 
     def topk(self, num_columns: int) -> int:
         """k = ceil(r*C): 0 when r = 0, C when r = 1."""

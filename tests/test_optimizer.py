@@ -1,0 +1,511 @@
+"""ZenFlowAdamW against its oracles: torch.optim.AdamW for the degenerate modes, and an independent dense
+simulation of DESIGN §3 (written here, sharing no code with the library) after every step."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import zenflow_triton.optimizer as zopt
+from zenflow_triton import ZenFlowAdam, ZenFlowAdamW
+
+MIN_OFFLOAD = 512
+BACKENDS = ["torch", "triton"]
+
+
+def _skip_unavailable(backend: str) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("triton backend on CPU needs TRITON_INTERPRET=1")
+
+
+class Net(nn.Module):
+    """Embedding, linear layers with biases and LayerNorm; the three weight matrices are offloaded."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.emb = nn.Embedding(64, 32)  # [64, 32]: 2048 elements, offloaded
+        self.fc1 = nn.Linear(32, 48)  # [48, 32]: 1536, offloaded; bias resident
+        self.norm = nn.LayerNorm(48)  # resident
+        self.fc2 = nn.Linear(48, 16)  # [16, 48]: 768, offloaded
+        self.to(dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens).mean(dim=1)
+        return self.fc2(torch.tanh(self.norm(self.fc1(h))))
+
+
+def batch(i: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, 64, (16, 5), generator=g), torch.randn(16, 16, generator=g).to(dtype)
+
+
+def loss_fn(model: nn.Module, i: int) -> torch.Tensor:
+    x, y = batch(i, next(model.parameters()).dtype)
+    return (model(x) - y).float().pow(2).mean()
+
+
+def offloaded(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.dim() >= 2 and p.numel() >= MIN_OFFLOAD]
+
+
+# ---------------------------------------------------------------------------------------------- the simulation
+
+
+class Simulation:
+    """DESIGN §3 for one offloaded parameter, dense: full fp32 master/m/v, a boolean selection mask and
+    per-column step counts; ``w`` is what the model sees (stale on unselected columns with overlap)."""
+
+    def __init__(self, p: torch.Tensor, *, r: float, interval: int, select: int, warmup: int, overlap: bool,
+                 decoupled: bool = True) -> None:
+        self.rows = p.shape[0]
+        self.cols = p.numel() // self.rows
+        self.dtype = p.dtype
+        self.w = p.detach().reshape(self.rows, self.cols).clone()
+        self.master = self.w.to(torch.float32, copy=True)
+        self.m = torch.zeros_like(self.master)
+        self.v = torch.zeros_like(self.master)
+        self.steps = torch.zeros(self.cols, dtype=torch.float64)
+        self.score = torch.zeros(self.cols, dtype=torch.float64)
+        self.sel = torch.zeros(self.cols, dtype=torch.bool)
+        self.acc = torch.zeros_like(self.master)
+        self.n = 0
+        self.t = 0
+        self.k = min(self.cols, math.ceil(round(r * self.cols, 6)))
+        self.interval, self.select, self.warmup = interval, select, warmup
+        self.overlap, self.decoupled = overlap, decoupled
+        self.snapshot: torch.Tensor | None = None
+
+    def _adam(self, cols: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float, eps: float, wd: float):
+        self.steps[cols] += 1
+        p, m, v = self.master[:, cols], self.m[:, cols], self.v[:, cols]
+        if self.decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        s = self.steps[cols]
+        bc1 = (1 - b1**s).float()
+        bc2 = (1 - b2**s).float()
+        p = p - lr * (m / bc1) / ((v / bc2).sqrt() + eps)
+        self.master[:, cols], self.m[:, cols], self.v[:, cols] = p, m, v
+
+    def flush(self) -> None:
+        if self.snapshot is not None:
+            unsel = ~self.sel
+            self.w[:, unsel] = self.snapshot[:, unsel]
+            self.snapshot = None
+
+    def step(self, grad: torch.Tensor, lr: float, b1: float, b2: float, eps: float, wd: float) -> None:
+        g = grad.reshape(self.rows, self.cols).float()
+        self.t += 1
+        tau = self.t - self.warmup
+        self.score += g.double().pow(2).sum(0)
+        everything = torch.arange(self.cols)
+        if tau <= 0:
+            self._adam(everything, g, lr, b1, b2, eps, wd)
+            self.w = self.master.to(self.dtype, copy=True)
+            return
+        if (tau - 1) % self.select == 0:
+            self.flush()
+            self.sel = torch.zeros(self.cols, dtype=torch.bool)
+            if self.k:
+                self.sel[torch.topk(self.score, self.k).indices] = True
+            self.score.zero_()
+        sel_cols, unsel_cols = everything[self.sel], everything[~self.sel]
+        if sel_cols.numel():
+            self._adam(sel_cols, g[:, sel_cols], lr, b1, b2, eps, wd)
+            self.w[:, sel_cols] = self.master[:, sel_cols].to(self.dtype)
+        self.acc[:, unsel_cols] += g[:, unsel_cols]
+        self.n += 1
+        if tau % self.interval == 0 and unsel_cols.numel():
+            if self.overlap:
+                self.flush()
+            self._adam(unsel_cols, self.acc[:, unsel_cols] / self.n, lr, b1, b2, eps, wd)
+            self.acc.zero_()
+            self.n = 0
+            if self.overlap:
+                self.snapshot = self.master.to(self.dtype, copy=True)
+            else:
+                self.w[:, unsel_cols] = self.master[:, unsel_cols].to(self.dtype)
+        elif tau % self.interval == 0:
+            self.acc.zero_()
+            self.n = 0
+
+
+def check_against_simulation(
+    *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
+    dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
+) -> ZenFlowAdamW:
+    model = Net(dtype)
+    twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy
+    hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
+                  warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
+    resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]
+    ref = ref_cls(resident_twin, **hp, foreach=False)
+    sims = {p: Simulation(p, r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
+                          decoupled=opt_cls is ZenFlowAdamW) for p in offloaded(model)}
+    # fp32 state differs from the simulation only by rounding (it computes the same math in another order);
+    # bf16 parameters may land one bf16 ulp apart when a master value sits near a rounding boundary.
+    atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-3, 2**-7)
+    for i in range(steps):
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for q, p in zip(twin.parameters(), model.parameters()):
+            q.grad = p.grad.clone()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        ref.param_groups[0]["lr"] = lr
+        ref.step()
+        sched.step()
+        for p, sim in sims.items():
+            sim.step(p.grad, lr, *hp["betas"], hp["eps"], hp["weight_decay"])
+            torch.testing.assert_close(p.detach().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol,
+                                       msg=lambda m, i=i: f"step {i + 1}: {m}")
+        for q, p in zip(twin.parameters(), model.parameters()):
+            if not (p.dim() >= 2 and p.numel() >= MIN_OFFLOAD):
+                torch.testing.assert_close(p, q, atol=atol, rtol=rtol)
+    opt.flush()
+    for p, sim in sims.items():
+        sim.flush()
+        torch.testing.assert_close(p.detach().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol)
+    return opt
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_matches_simulation_every_step(backend: str, overlap: bool) -> None:
+    _skip_unavailable(backend)
+    opt = check_against_simulation(backend=backend, overlap=overlap, warmup=3, r=0.25, interval=3, select=6,
+                                   steps=27)
+    st = opt.stats()
+    assert st["selections"] == 4  # tau = 1, 7, 13, 19
+    assert st["windows"] >= 3 + 8  # warm-up steps are windows of one step
+    opt.close()
+
+
+def test_simulation_adam_l2_bf16_and_clipping() -> None:
+    check_against_simulation(backend="torch", overlap=True, warmup=0, r=0.1, interval=2, select=4, steps=14,
+                             opt_cls=ZenFlowAdam, clip=0.05)
+    check_against_simulation(backend="torch", overlap=True, warmup=2, r=0.3, interval=2, select=4, steps=14,
+                             dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("r", [0.0, 1.0])
+def test_simulation_extreme_ratios_with_overlap(r: float) -> None:
+    check_against_simulation(backend="torch", overlap=True, warmup=0, r=r, interval=2, select=4, steps=10)
+
+
+# ----------------------------------------------------------------------------------- degenerate = AdamW
+
+
+class Bigger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.emb = nn.Embedding(100, 48)
+        self.fc1 = nn.Linear(48, 96)
+        self.norm = nn.LayerNorm(96)
+        self.fc2 = nn.Linear(96, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(self.emb(x).mean(1)))))
+
+
+def train(make_opt, steps: int = 24, accumulate: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = Bigger()
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-2, total_steps=steps, cycle_momentum=False)
+    for i in range(steps):
+        opt.zero_grad()
+        for j in range(accumulate):
+            g = torch.Generator().manual_seed(i * 10 + j)
+            x, y = torch.randint(0, 100, (8, 6), generator=g), torch.randn(8, 48, generator=g)
+            ((model(x) - y).pow(2).mean() / accumulate).backward()
+        opt.step()
+        sched.step()
+    if hasattr(opt, "flush"):
+        opt.flush()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(topk_ratio=1.0), dict(topk_ratio=0.0, update_interval=1, overlap=False)],
+    ids=["all-on-device", "all-on-host-sync"],
+)
+@pytest.mark.parametrize("cls,ref_cls", [(ZenFlowAdamW, torch.optim.AdamW), (ZenFlowAdam, torch.optim.Adam)])
+def test_degenerate_modes_equal_torch(knobs, cls, ref_cls) -> None:
+    ref_model, _ = train(lambda ps: ref_cls(ps, lr=1e-2, weight_decay=0.1, foreach=False), accumulate=2)
+    model, opt = train(lambda ps: cls(ps, lr=1e-2, weight_decay=0.1, min_offload_numel=1024, **knobs),
+                       accumulate=2)
+    assert opt.stats()["offloaded_params"] == 100 * 48 + 96 * 48 * 2
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        # fp32 rounding: both run the same AdamW; per-column bias corrections round like torch's scalar ones
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    opt.close()
+
+
+def test_gradient_accumulation_loses_nothing() -> None:
+    """Two backward() calls of half batches give the same update as one call on the whole batch."""
+
+    def run(split: bool) -> nn.Module:
+        model = Bigger()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2, min_offload_numel=1024)
+        for i in range(8):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randint(0, 100, (8, 6), generator=g), torch.randn(8, 48, generator=g)
+            opt.zero_grad()
+            if split:
+                for xs, ys in ((x[:4], y[:4]), (x[4:], y[4:])):
+                    ((model(xs) - ys).pow(2).sum() / y.numel()).backward()
+            else:
+                ((model(x) - y).pow(2).sum() / y.numel()).backward()
+            opt.step()
+        opt.close()
+        return model
+
+    a, b = run(True), run(False)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- resume
+
+
+def run_with_checkpoint(total: int, at: int | None, **knobs) -> tuple[list[torch.Tensor], dict]:
+    """Train ``total`` steps; if ``at`` is given, checkpoint after step ``at`` through torch.save, and finish
+    on a fresh model and optimizer loaded from it."""
+
+    def make(model):
+        opt = ZenFlowAdamW(model.parameters(), lr=2e-2, min_offload_numel=MIN_OFFLOAD, **knobs)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+
+    model = Net()
+    opt, sched = make(model)
+    for i in range(total):
+        if i == at:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+            opt.close()
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            model = Net()
+            torch.manual_seed(999)  # a fresh process would not share the old one's RNG state either
+            model.load_state_dict(ckpt["model"])
+            opt, sched = make(model)
+            opt.load_state_dict(ckpt["opt"])
+            sched.load_state_dict(ckpt["sched"])
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+        sched.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    sd = copy.deepcopy(opt.state_dict())
+    opt.close()
+    return params, sd
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_resume_is_bitwise(overlap: bool) -> None:
+    knobs = dict(topk_ratio=0.2, update_interval=3, select_interval=6, warmup_steps=2, overlap=overlap)
+    total = 20
+    straight, straight_sd = run_with_checkpoint(total, None, **knobs)
+    # after warm-up step 1; right after a window end (job in flight); mid-window; just before a selection
+    for at in (1, 5, 6, 9, 13):
+        resumed, resumed_sd = run_with_checkpoint(total, at, **knobs)
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b), f"checkpoint after step {at}: parameters differ"
+        for sid, st in straight_sd["state"].items():
+            for key, value in st.items():
+                other = resumed_sd["state"][sid][key]
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, other), f"checkpoint after step {at}: state {key} differs"
+                else:
+                    assert value == other, f"checkpoint after step {at}: state {key} differs"
+
+
+def test_state_dict_does_not_move_params_and_waits_for_host() -> None:
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    for i in range(4):  # ends two windows: the second one's result is still pending with overlap
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    sd = opt.state_dict()
+    assert any(st.get("pending") for st in sd["state"].values())
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    opt.flush()
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    assert any(changed), "flush() should apply the pending host window"
+    opt.close()
+
+
+# --------------------------------------------------------------------------------------- params and errors
+
+
+def test_frozen_and_gradless_params_untouched() -> None:
+    model = Net()
+    model.fc2.weight.requires_grad_(False)
+    extra = nn.Parameter(torch.randn(40, 40))  # never gets a gradient
+    opt = ZenFlowAdamW(list(model.parameters()) + [extra], lr=1e-2, min_offload_numel=MIN_OFFLOAD)
+    frozen, extra0 = model.fc2.weight.detach().clone(), extra.detach().clone()
+    for i in range(6):
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+    opt.flush()
+    assert torch.equal(model.fc2.weight, frozen) and torch.equal(extra, extra0)
+    assert model.fc2.weight not in opt.state and extra not in opt.state
+    opt.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=-1.0), "Invalid lr"),
+        (dict(betas=(1.0, 0.9)), "beta parameter at index 0"),
+        (dict(betas=(0.9, -0.1)), "beta parameter at index 1"),
+        (dict(eps=-1e-8), "epsilon"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(topk_ratio=1.5), "topk_ratio"),
+        (dict(update_interval=0), "update_interval"),
+        (dict(update_interval=4, select_interval=6), "select_interval"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(backend="cuda"), "backend"),
+        (dict(grad_dtype="float16"), "grad_dtype"),
+        (dict(cpu_threads=0), "cpu_threads"),
+        (dict(lr=torch.tensor(0.1)), "Tensor learning rate"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZenFlowAdamW(Net().parameters(), **kwargs)
+
+
+def test_bad_params_and_grads() -> None:
+    with pytest.raises(ValueError, match="more than once"):
+        p = nn.Parameter(torch.randn(4, 4))
+        ZenFlowAdamW([p, p])
+    with pytest.raises(ValueError, match="complex"):
+        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="meta"):
+        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.empty(4, 4, device="meta"))])
+    with pytest.raises(ValueError, match="not contiguous"):
+        ZenFlowAdamW([nn.Parameter(torch.randn(64, 64).t())], min_offload_numel=16)
+    with pytest.raises(TypeError, match="float64"):
+        ZenFlowAdamW([nn.Parameter(torch.randn(64, 64, dtype=torch.float64))], min_offload_numel=16)
+    emb = nn.Embedding(100, 64, sparse=True)
+    opt = ZenFlowAdamW(emb.parameters(), min_offload_numel=16)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    opt.close()
+    with pytest.raises(ValueError, match="parameter groups"):
+        ZenFlowAdamW(Net().parameters()).load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_triton_backend_on_cpu_needs_interpreter(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, backend="triton")
+    loss_fn(model, 0).backward()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        opt.step()
+    opt.close()
+
+
+# ------------------------------------------------------------------------------------------ worker faults
+
+
+def _train_steps(opt: ZenFlowAdamW, model: nn.Module, steps: int) -> None:
+    for i in range(steps):
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+
+
+def test_worker_exception_surfaces_at_next_step(monkeypatch) -> None:
+    def broken(*args):
+        raise FloatingPointError("injected host fault")
+
+    monkeypatch.setattr(zopt, "run_host_job", broken)
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    _train_steps(opt, model, 2)  # the window ends here; the job fails in the worker
+    time.sleep(0.2)
+    with pytest.raises(RuntimeError, match="host worker failed") as info:
+        _train_steps(opt, model, 1)
+    assert isinstance(info.value.__cause__, FloatingPointError)
+    with pytest.raises(RuntimeError, match="stopped after a host worker failure"):
+        opt.step()
+    opt.close()
+
+
+def test_hung_worker_becomes_error(monkeypatch) -> None:
+    release = threading.Event()
+
+    def hang(*args):
+        release.wait(10)
+        return 0.0
+
+    monkeypatch.setattr(zopt, "run_host_job", hang)
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), update_interval=1, overlap=False, min_offload_numel=MIN_OFFLOAD,
+                       worker_timeout=0.3)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="did not finish a job within worker_timeout"):
+        _train_steps(opt, model, 1)
+    assert time.perf_counter() - start < 5
+    release.set()
+    opt.close()
+
+
+def test_dead_worker_becomes_error() -> None:
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt._worker._queue.put(None)  # the thread exits as if it had crashed
+    opt._worker._thread.join(5)
+    with pytest.raises(RuntimeError, match="died"):
+        _train_steps(opt, model, 2)
+    opt.close()
+
+
+# ------------------------------------------------------------------------------------- lifecycle, telemetry
+
+
+def test_stats_flush_close_and_context_manager() -> None:
+    model = Net()
+    with ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                      min_offload_numel=MIN_OFFLOAD) as opt:
+        _train_steps(opt, model, 8)
+        st = opt.stats()
+        assert st["steps"] == 8 and st["windows"] == 4 and st["selections"] == 1
+        assert st["selected_fraction"] == pytest.approx((8 + 8 + 12) / (32 + 32 + 48))
+        assert 0.25 < st["selected_energy_fraction"] <= 1.0
+        numel = 64 * 32 + 48 * 32 + 16 * 48
+        assert st["offloaded_params"] == numel
+        assert st["d2h_bytes"] >= 4 * numel * 4 - 1  # four windows of fp32 sums
+        assert 16.0 <= st["host_bytes_per_param"] <= 18.0  # master, m, v, fp32 landing (+ alignment)
+        assert st["stall_s"] >= 0 and st["host_job_s"] > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    assert not opt._worker.alive
