@@ -1,0 +1,181 @@
+"""Pieces shared by the Triton kernels: the guarded import, the device check, the row-split plan, bf16 rounding.
+
+Importing this module imports Triton; ``zenflow_triton.kernels`` itself never does, so the package works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - only where Triton is missing
+    raise ImportError(
+        "zenflow_triton's Triton kernels need Triton: pip install triton, or use backend='torch'"
+    ) from exc
+
+__all__ = [
+    "RowSplitPlan",
+    "add_partials_",
+    "check_launch_device",
+    "device_guard",
+    "fp32_to_bf16_bits",
+    "interpreting",
+    "plan_row_splits",
+    "store_column_sums",
+    "tl",
+    "triton",
+]
+
+# Programs a launch aims for. No GPU was available when this was written, so it is reasoning, not a measurement:
+# an H100/H200 has 132 SMs and each SM keeps ~4-8 of our 4-warp programs resident, so ~1024 programs fill the
+# machine in about one wave. It depends on the shape only, never on the device: the per-column score sums are
+# added in an order fixed by the split plan, so the same shape gives bit-identical scores on every GPU.
+TARGET_PROGRAMS = 1024
+# Fewest rows one split streams. A split pays a fixed cost (per-column metadata loads, the bias-correction powers,
+# one [BLOCK_C] partial-sum store and its re-read in add_partials_); at 256 rows x 128 columns it streams >= 64 KiB
+# of gradient alone, so that fixed cost stays around 1% (reasoning, not a measurement).
+MIN_ROWS_PER_SPLIT = 256
+
+
+def interpreting(kernel: object) -> bool:
+    """Whether ``kernel`` was built by Triton's interpreter (``TRITON_INTERPRET=1`` when its module was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_launch_device(name: str, t: torch.Tensor, kernel: object, module: str) -> None:
+    """Raise ``ValueError`` unless ``kernel`` can run on ``t``'s device.
+
+    CUDA tensors always can; CPU tensors only in Triton's interpreter, i.e. with ``TRITON_INTERPRET=1`` set in the
+    environment before ``module`` was imported (the ``@triton.jit`` decorator reads it once, at import).
+    """
+    dev = t.device
+    if dev.type == "cuda":
+        return
+    if dev.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"{name} is a CPU tensor ({dev}) but TRITON_INTERPRET is not '1': the Triton kernels run on CUDA "
+                f"tensors, or on CPU tensors in Triton's interpreter (set TRITON_INTERPRET=1 before importing triton "
+                f"and {module}); otherwise use backend='torch'"
+            )
+        if not interpreting(kernel):
+            raise ValueError(
+                f"{name} is a CPU tensor and TRITON_INTERPRET=1, but it was set after {module} was imported, so its "
+                f"kernels were compiled for a GPU: set TRITON_INTERPRET=1 before importing it, or use backend='torch'"
+            )
+        return
+    raise ValueError(
+        f"{name} is on device {dev}: the Triton kernels run on CUDA tensors (or on CPU tensors with "
+        f"TRITON_INTERPRET=1 set before importing triton and {module}); use backend='torch' for other devices"
+    )
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device; make it ``t``'s (a tensor on cuda:1 must not launch on cuda:0)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class RowSplitPlan:
+    """Grid of a column-block x row-split launch: ``grid = (col_blocks, splits)``; split s owns rows
+    ``[s * rows_per_split, (s + 1) * rows_per_split)``."""
+
+    col_blocks: int
+    splits: int
+    rows_per_split: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.col_blocks, self.splits)
+
+
+def _check_block(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+
+
+def plan_row_splits(
+    rows: int, cols: int, *, block_r: int, block_c: int, rows_per_split: int | None = None
+) -> RowSplitPlan:
+    """Split ``rows`` so that tall and wide matrices both give about ``TARGET_PROGRAMS`` programs.
+
+    A wide matrix has enough column blocks on its own and gets one split (scores added straight into ``score``); a
+    tall one is cut into splits of at least ``MIN_ROWS_PER_SPLIT`` rows, each a multiple of ``block_r``. The plan
+    depends on the shape and block sizes only, which is what makes the score reduction order reproducible.
+    ``rows_per_split`` (tests) overrides the policy; it must be a positive multiple of ``block_r``.
+    """
+    _check_block("block_r", block_r)
+    _check_block("block_c", block_c)
+    col_blocks = triton.cdiv(cols, block_c)
+    if rows_per_split is None:
+        wanted = triton.cdiv(TARGET_PROGRAMS, col_blocks)
+        splits = max(1, min(wanted, rows // MIN_ROWS_PER_SPLIT))
+        rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
+    elif isinstance(rows_per_split, bool) or not isinstance(rows_per_split, int) or rows_per_split < 1 or (
+        rows_per_split % block_r
+    ):
+        raise ValueError(f"rows_per_split must be a positive multiple of block_r={block_r}, got {rows_per_split!r}")
+    return RowSplitPlan(col_blocks, max(1, triton.cdiv(rows, rows_per_split)), rows_per_split)
+
+
+@triton.jit
+def fp32_to_bf16_bits(x):
+    """fp32 -> bf16 bit pattern (uint16), rounded to nearest even exactly like torch's ``.to(torch.bfloat16)``.
+
+    Integer arithmetic because Triton's interpreter rounds a bf16 cast toward zero (a GPU rounds to nearest even);
+    this is exact in both. NaN gets its own branch (the rounding add could carry it into infinity); 0x7FC0 is the
+    quiet NaN torch's scalar conversion writes.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, sums, SCORE_MODE: tl.constexpr):
+    """Finish a split's per-column sums: SCORE_MODE 1 adds them into ``score`` (the only split of its columns),
+    SCORE_MODE 2 writes them to row ``split`` of the ``[splits, C]`` partials that ``add_partials_`` reduces."""
+    if SCORE_MODE == 1:
+        old = tl.load(score_ptr + cols, mask=col_mask, other=0.0)
+        tl.store(score_ptr + cols, old + sums, mask=col_mask)
+    elif SCORE_MODE == 2:
+        tl.store(partial_ptr + split.to(tl.int64) * C + cols, sums, mask=col_mask)
+
+
+@triton.jit
+def _add_partials_kernel(score_ptr, partial_ptr, C, SPLITS, BLOCK: tl.constexpr):
+    # Split order is fixed (0, 1, ...): this is what makes the cross-split reduction deterministic, unlike atomics.
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    ptrs = partial_ptr + cols
+    total = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in range(1, SPLITS):
+        # Advancing the (64-bit) pointers row by row: splits * C may not fit in int32.
+        ptrs += C
+        total += tl.load(ptrs, mask=mask, other=0.0)
+    old = tl.load(score_ptr + cols, mask=mask, other=0.0)
+    tl.store(score_ptr + cols, old + total, mask=mask)
+
+
+# Columns per program of the partial-sum reduction: it reads splits x 4 bytes per column and is tiny next to the
+# main pass; 1024 columns keeps a [8192]-column reduction at 8 programs (reasoning, no GPU measurement).
+_ADD_PARTIALS_BLOCK = 1024
+
+
+def add_partials_(score: torch.Tensor, partials: torch.Tensor) -> None:
+    """``score += partials.sum(0)`` for fp32 ``partials [splits, C]``, adding the splits in order (deterministic)."""
+    splits, cols = partials.shape
+    grid = (triton.cdiv(cols, _ADD_PARTIALS_BLOCK),)
+    _add_partials_kernel[grid](score, partials, cols, splits, BLOCK=_ADD_PARTIALS_BLOCK, num_warps=4,
+                                  enable_fp_fusion=False)

@@ -1,0 +1,427 @@
+"""The Triton fused step against its oracle, ``kernels/reference.py`` (on CPU under ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zenflow_triton.kernels import _triton_utils, reference
+from zenflow_triton.kernels import fused_step as fs
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+# (dtype, atol, rtol) for the fp32 state (master, exp_avg, exp_avg_sq) and an fp32 param, vs the reference. The kernel
+# does the reference's operations in the reference's order; torch's vectorized CPU lerp and add-with-alpha fuse a
+# multiply-add (FMA) and the kernel does not, so results differ by about one rounding of the O(1) operands:
+# ~1 ulp at 1.0 absolute (m near zero after cancellation), ~8 ulp relative elsewhere. Observed: <= 6e-8 absolute.
+STATE_TOL = (torch.float32, 1e-7, 1e-6)
+# The param, in every model dtype, must equal the kernel's own fp32 master rounded to nearest even, bit for bit. Against
+# the reference's param: an fp32 param is the master (STATE_TOL); a bf16/fp16 one must be within one unit in the last
+# place (masters ~1 fp32 ulp apart can round to neighbouring half-precision values, never further).
+HALF_PARAM_ULPS = {torch.bfloat16: 1, torch.float16: 1}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Column sums of squares: positive terms added in another order (tiles + pairwise vs torch's vectorized sum); the
+# relative error of either order is a few eps * sqrt(R) at these sizes (observed <= 3e-7).
+SCORE_RTOL = 1e-5
+
+GPU_R, GPU_C = fs._BLOCK_R, fs._BLOCK_C  # CUDA tile
+INT_R = fs._INTERP_BLOCK_R  # interpreter tile rows
+# (id, rows, cols, launcher overrides): shapes that break block assumptions, under both the CUDA and the interpreter
+# tiles, plus launches that span several row splits (partial sums reduced by a second kernel).
+SHAPES = [
+    ("1x1", 1, 1, {}),
+    ("1xC", 1, 130, {}),
+    ("Rx1", 130, 1, {}),
+    ("prime", 37, 53, {}),
+    ("gpu_R-1", GPU_R - 1, 40, dict(_block_r=GPU_R, _block_c=GPU_C)),
+    ("gpu_R+1", GPU_R + 1, 40, dict(_block_r=GPU_R, _block_c=GPU_C)),
+    ("gpu_C-1", 5, GPU_C - 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
+    ("gpu_C+1", 5, GPU_C + 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
+    ("int_R-1", INT_R - 1, 9, {}),
+    ("int_R+1", INT_R + 1, 9, {}),
+    ("wide", 3, 700, {}),
+    ("tall", 700, 3, {}),  # default plan: 2 row splits
+    ("splits", 70, 20, dict(_block_r=8, _block_c=8, _rows_per_split=16)),  # 5 splits x 3 column blocks
+    ("splits_ragged", 45, 37, dict(_block_r=4, _block_c=16, _rows_per_split=12)),
+]
+KMODES = ["k0", "kC", "subset"]
+NAMES = ["score", "slot", "col_step", "master", "exp_avg", "exp_avg_sq", "acc"]
+
+
+def _k_for(mode: str, cols: int) -> int:
+    return {"k0": 0, "kC": cols, "subset": max(1, cols // 3)}[mode]
+
+
+def make_case(rows: int, cols: int, k: int, dtype: torch.dtype, *, n_selected: int | None = None,
+              seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs. Columns get slots in a permuted, non-sorted order; slots not taken keep random values."""
+    gen = torch.Generator().manual_seed(seed)
+    n_sel = k if n_selected is None else n_selected
+    param = torch.randn(rows, cols, generator=gen).to(dtype)
+    chosen = torch.randperm(cols, generator=gen)[:n_sel]
+    slot = torch.full((cols,), -1, dtype=torch.int32)
+    slot[chosen] = torch.randperm(k, generator=gen)[:n_sel].to(torch.int32)
+    master = torch.randn(rows, k, generator=gen)
+    master[:, slot[chosen].long()] = param[:, chosen].float()
+    return dict(
+        param=param,
+        grad=torch.randn(rows, cols, generator=gen).to(dtype),
+        score=torch.rand(cols, generator=gen),
+        slot=slot,
+        col_step=torch.randint(1, 50, (cols,), generator=gen, dtype=torch.int32),
+        master=master,
+        exp_avg=torch.randn(rows, k, generator=gen) * 0.1,
+        exp_avg_sq=torch.rand(rows, k, generator=gen) * 0.01,
+        acc=torch.randn(rows, cols, generator=gen),
+    )
+
+
+def clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in case.items()}
+
+
+def run(fn, case: dict[str, torch.Tensor], **kwargs) -> None:
+    state = {name: case[name] for name in NAMES}
+    fn(case["param"], case["grad"], **state, **{**HP, "accumulate": True, **kwargs})
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between same-dtype floats (0 for empty tensors)."""
+    if a.numel() == 0:
+        return 0
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    sign = 1 << (8 * a.element_size() - 1)
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(bits).long()
+        return torch.where(i < 0, -(i & (sign - 1)), i)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def assert_step_matches(out: dict, ref: dict, before: dict, *, update_score: bool = True) -> None:
+    """Triton result ``out`` vs reference result ``ref``, both from ``before``."""
+    dtype = out["param"].dtype
+    _, atol, rtol = STATE_TOL
+    sel = out["slot"] >= 0
+    for name in ("slot", "col_step", "grad"):  # inputs only
+        assert torch.equal(out[name], before[name]), name
+    for name in ("master", "exp_avg", "exp_avg_sq"):  # all slots: slots no column uses must stay as they were
+        torch.testing.assert_close(out[name], ref[name], atol=atol, rtol=rtol, msg=name)
+    # Plain fp32 adds: bitwise. Selected columns of acc carry no meaning; this kernel leaves them unwritten.
+    assert torch.equal(out["acc"][:, ~sel], ref["acc"][:, ~sel])
+    assert torch.equal(out["acc"][:, sel], before["acc"][:, sel])
+    if update_score:
+        torch.testing.assert_close(out["score"], ref["score"], atol=0.0, rtol=SCORE_RTOL)
+    else:
+        assert torch.equal(out["score"], before["score"])
+    assert torch.equal(out["param"][:, ~sel], before["param"][:, ~sel])  # unselected columns untouched
+    own = out["master"][:, out["slot"][sel].long()].to(dtype)
+    assert torch.equal(out["param"][:, sel].view(torch.uint8), own.view(torch.uint8))  # bit for bit, also for bf16
+    if dtype == torch.float32:
+        torch.testing.assert_close(out["param"], ref["param"], atol=atol, rtol=rtol)
+    else:
+        assert ulp_distance(out["param"][:, sel], ref["param"][:, sel]) <= HALF_PARAM_ULPS[dtype]
+
+
+@pytest.mark.parametrize("kmode", KMODES)
+@pytest.mark.parametrize(("rows", "cols", "overrides"), [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES])
+def test_matches_reference_on_awkward_shapes(rows, cols, overrides, kmode):
+    before = make_case(rows, cols, _k_for(kmode, cols), torch.bfloat16)
+    out, ref = clone(before), clone(before)
+    run(fs.fused_step_, out, **overrides)
+    run(reference.fused_step_, ref)
+    assert_step_matches(out, ref, before)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_and_hyperparams(dtype, decoupled, weight_decay, accumulate):
+    before = make_case(37, 53, 17, dtype, seed=1)
+    out, ref = clone(before), clone(before)
+    kw = dict(decoupled=decoupled, weight_decay=weight_decay, accumulate=accumulate)
+    run(fs.fused_step_, out, **kw)
+    run(reference.fused_step_, ref, **kw)
+    assert_step_matches(out, ref, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eps_dominant_and_small_beta1(dtype):
+    """eps larger than sqrt(v) (so its value shows in every update), beta1 < 0.5 (torch's other lerp formula),
+    a few zero gradients (v and m of those entries decay only)."""
+    before = make_case(37, 53, 17, dtype, seed=8)
+    before["exp_avg_sq"].mul_(1e-10)
+    before["grad"][::5] = 0
+    out, ref = clone(before), clone(before)
+    kw = dict(eps=1e-3, beta1=0.2, beta2=0.5, lr=0.1)
+    run(fs.fused_step_, out, **kw)
+    run(reference.fused_step_, ref, **kw)
+    assert_step_matches(out, ref, before)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_consecutive_steps(dtype, decoupled):
+    """A window of three steps: acc overwritten then accumulated, scores accumulated, col_step incremented."""
+    out = make_case(45, 37, 12, dtype, n_selected=9, seed=2)
+    ref = clone(out)
+    gen = torch.Generator().manual_seed(3)
+    lrs = [1e-2, 3e-3, 5e-2]  # a schedule: lr is a runtime scalar
+    for step, lr in enumerate(lrs):
+        grad = torch.randn(45, 37, generator=gen).to(dtype)
+        for case in (out, ref):
+            case["grad"].copy_(grad)
+            case["col_step"][case["slot"] >= 0] += 1
+        before = clone(out)
+        kw = dict(lr=lr, decoupled=decoupled, accumulate=step > 0)
+        run(fs.fused_step_, out, _block_r=8, _block_c=16, _rows_per_split=16, **kw)  # 3 x 3 programs
+        run(reference.fused_step_, ref, **kw)
+        assert_step_matches(out, ref, before)
+        # Carry on from identical state so that each step is checked on its own, not drift from earlier steps.
+        for name in ("master", "exp_avg", "exp_avg_sq", "score", "param"):
+            ref[name].copy_(out[name])
+
+
+def test_update_score_false_leaves_score():
+    before = make_case(37, 53, 9, torch.float32, seed=4)
+    out, ref = clone(before), clone(before)
+    run(fs.fused_step_, out, update_score=False, _rows_per_split=16, _block_r=8)
+    run(reference.fused_step_, ref, update_score=False)
+    assert_step_matches(out, ref, before, update_score=False)
+
+
+def test_unused_slots_and_unselected_columns_untouched():
+    # k = 8 slots, only 5 columns selected: slots 5..7 of the compact state belong to no column.
+    before = make_case(21, 30, 8, torch.bfloat16, n_selected=5, seed=5)
+    out = clone(before)
+    run(fs.fused_step_, out)
+    used = out["slot"][out["slot"] >= 0].long()
+    unused = torch.ones(8, dtype=torch.bool)
+    unused[used] = False
+    assert unused.sum() == 3
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(out[name][:, unused], before[name][:, unused]), name
+        assert not torch.equal(out[name][:, ~unused], before[name][:, ~unused]), name
+    unsel = out["slot"] < 0
+    assert torch.equal(out["param"][:, unsel], before["param"][:, unsel])
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(_block_r=4, _block_c=16, _rows_per_split=8)], ids=["plan", "splits"])
+def test_deterministic(overrides):
+    before = make_case(700, 3, 1, torch.bfloat16, seed=6) if not overrides else make_case(45, 37, 12, torch.float32)
+    first, second = clone(before), clone(before)
+    run(fs.fused_step_, first, **overrides)
+    run(fs.fused_step_, second, **overrides)
+    for name, t in first.items():
+        assert torch.equal(t.view(torch.uint8), second[name].view(torch.uint8)), name
+
+
+# numpy, inside the interpreter's fp32 -> fp16 cast, warns on the values that overflow to inf (as they should).
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize(("dtype", "bits"), [(torch.bfloat16, torch.int16), (torch.float16, torch.int16)])
+def test_param_rounding_is_torchs(dtype, bits):
+    """lr = 0 leaves the master as it is, so the param is exactly the rounding of chosen fp32 values: ties, values
+    that overflow the model dtype, infinities, subnormals, NaN."""
+    fp32_bits = torch.tensor(
+        [0x3F808000, 0x3F818000, 0xBF808000, 0x3F808001, 0x7F7FFFFF, 0x477FF000, 0x7F800000, 0xFF800000, 0x00000001,
+         0x33800000, 0x33800001, 0x387FC000, 0x80000000],
+        dtype=torch.int64,
+    )
+    values = fp32_bits.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps the top bit into the sign
+    rows = values.numel()
+    values = torch.cat([values, torch.randn(rows * 20)]).view(-1, 1).repeat(1, 2)
+    case = make_case(values.shape[0], 2, 2, dtype, seed=7)
+    case["master"].copy_(values)
+    case["master"][0, 0] = float("nan")
+    run(fs.fused_step_, case, lr=0.0, weight_decay=0.0)
+    sel = case["slot"].long()
+    expected = case["master"][:, sel].to(dtype)
+    got = case["param"]
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
+
+
+# Bad input: every launcher raises exactly the reference's error (same check functions), and never copies.
+def _bad_cases():
+    def wrong_dtype(c):
+        c["grad"] = c["grad"].to(torch.float16)
+
+    def wrong_shape(c):
+        c["acc"] = c["acc"][:, :-1].clone()
+
+    def wrong_k(c):
+        c["exp_avg"] = c["exp_avg"][:, :-1].clone()
+
+    def non_contiguous(c):
+        c["param"] = c["param"].t().contiguous().t()
+
+    def non_contiguous_state(c):
+        c["master"] = torch.empty(c["master"].shape[1], c["master"].shape[0]).t()
+
+    def slot_dtype(c):
+        c["slot"] = c["slot"].long()
+
+    def bad_lr(c):
+        return dict(lr=-1.0)
+
+    def bad_beta(c):
+        return dict(beta2=1.0)
+
+    def slot_out_of_range(c):
+        c["slot"][0] = 6  # k = 6
+        return dict(check_slots=True)
+
+    def slot_below_minus_one(c):
+        c["slot"][0] = -2
+        return dict(check_slots=True)
+
+    return [wrong_dtype, wrong_shape, wrong_k, non_contiguous, non_contiguous_state, slot_dtype, bad_lr, bad_beta,
+            slot_out_of_range, slot_below_minus_one]
+
+
+@pytest.mark.parametrize("mutate", _bad_cases(), ids=lambda f: f.__name__)
+def test_bad_input_raises_like_reference(mutate):
+    errors = []
+    for fn in (reference.fused_step_, fs.fused_step_):
+        case = make_case(5, 7, 6, torch.float32)
+        kwargs = mutate(case) or {}
+        with pytest.raises((ValueError, TypeError)) as info:
+            run(fn, case, **kwargs)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
+
+
+def test_wrong_device_raises():
+    case = {name: t.to("meta") for name, t in make_case(5, 7, 3, torch.float32).items()}
+    with pytest.raises(ValueError, match="meta.*CUDA.*backend='torch'"):
+        run(fs.fused_step_, case)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU tensors")
+def test_cpu_tensor_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    case = make_case(5, 7, 3, torch.float32)
+    before = clone(case)
+    with pytest.raises(ValueError, match="CPU tensor.*TRITON_INTERPRET=1.*backend='torch'"):
+        run(fs.fused_step_, case)
+    assert all(torch.equal(case[n], before[n]) for n in case)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU tensors")
+def test_interpreter_flag_set_after_import_raises(monkeypatch):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    monkeypatch.setattr(_triton_utils, "interpreting", lambda kernel: False)  # as if compiled for a GPU
+    with pytest.raises(ValueError, match="set after"):
+        run(fs.fused_step_, make_case(5, 7, 3, torch.float32))
+
+
+def test_without_triton_the_package_imports_and_kernels_say_what_to_do():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import zenflow_triton.kernels\n"
+        "for name in ('fused_step', 'colnorm', 'merge'):\n"
+        "    try:\n"
+        "        __import__('zenflow_triton.kernels.' + name)\n"
+        "    except ImportError as e:\n"
+        "        assert \"pip install triton, or use backend='torch'\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(name + ' imported without triton')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_empty_is_a_no_op():
+    case = make_case(0, 4, 2, torch.float32)
+    before = clone(case)
+    run(fs.fused_step_, case)
+    assert all(torch.equal(case[n], before[n]) for n in case)
+
+
+# --- CUDA only ------------------------------------------------------------------------------------------------------
+
+
+def _cuda_case(rows, cols, k, dtype, seed=0):
+    return {name: t.cuda() for name, t in make_case(rows, cols, k, dtype, seed=seed).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(4096, 4096), (11008, 1024), (257, 30011)])
+def test_cuda_matches_reference(rows, cols, dtype):
+    before = _cuda_case(rows, cols, max(1, cols // 10), dtype)
+    out, ref = clone(before), clone(before)
+    run(fs.fused_step_, out)
+    run(reference.fused_step_, ref)
+    assert_step_matches(out, ref, before)
+    again = clone(before)
+    run(fs.fused_step_, again)
+    for name, t in out.items():
+        assert torch.equal(t.view(torch.uint8), again[name].view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+def test_cuda_lr_change_does_not_recompile():
+    case = _cuda_case(512, 512, 50, torch.bfloat16)
+    kernel = fs._fused_step_kernel
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    run(fs.fused_step_, case, lr=1e-3)
+    n = compiled()
+    for lr in (2e-3, 0.5, 0.0):
+        run(fs.fused_step_, case, lr=lr, weight_decay=0.3, beta1=0.8)
+    assert compiled() == n
+
+
+@pytest.mark.gpu
+def test_cuda_more_than_2_31_elements():
+    """R*C > 2^31: checks columns whose far rows sit past int32 offsets, against the reference on those columns."""
+    rows, cols, k = 2**16 + 1, 2**15 + 3, 16
+    assert rows * cols > 2**31
+    need = rows * cols * (2 + 2 + 4) * 1.25  # bf16 param + grad, fp32 acc, headroom
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    param = torch.randn(rows, cols, device=dev, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(rows, cols, device=dev, generator=gen).to(torch.bfloat16)
+    acc = torch.randn(rows, cols, device=dev, generator=gen)
+    probes = torch.tensor([0, 1, cols // 2, cols - 3, cols - 2, cols - 1], device=dev)
+    selected = torch.tensor([cols // 2, cols - 1, 7, 1000], device=dev)  # two probes, two others
+    slot = torch.full((cols,), -1, dtype=torch.int32, device=dev)
+    slot[selected] = torch.tensor([3, 0, 2, 1], dtype=torch.int32, device=dev)
+    state = dict(
+        score=torch.rand(cols, device=dev), slot=slot,
+        col_step=torch.randint(1, 9, (cols,), dtype=torch.int32, device=dev),
+        master=torch.randn(rows, k, device=dev), exp_avg=torch.randn(rows, k, device=dev) * 0.1,
+        exp_avg_sq=torch.rand(rows, k, device=dev) * 0.01, acc=acc,
+    )
+    # The oracle on the probe columns only: a contiguous sub-problem whose selected columns get slots 0, 1, ...
+    sub_slot = slot[probes].clone()
+    sub_sel = sub_slot >= 0
+    sub_slot[sub_sel] = torch.arange(int(sub_sel.sum()), dtype=torch.int32, device=dev)
+    src_slots = slot[probes][sub_sel].long()
+    sub = dict(
+        param=param[:, probes].contiguous(), grad=grad[:, probes].contiguous(), score=state["score"][probes].clone(),
+        slot=sub_slot, col_step=state["col_step"][probes].clone(),
+        master=state["master"][:, src_slots].contiguous(), exp_avg=state["exp_avg"][:, src_slots].contiguous(),
+        exp_avg_sq=state["exp_avg_sq"][:, src_slots].contiguous(), acc=acc[:, probes].contiguous(),
+    )
+    sub_before = clone(sub)
+    run(reference.fused_step_, sub)
+    out = dict(param=param, grad=grad, **state)
+    run(fs.fused_step_, out)
+    got = dict(
+        param=param[:, probes], grad=grad[:, probes], score=out["score"][probes], slot=sub_slot,
+        col_step=out["col_step"][probes], master=out["master"][:, src_slots], exp_avg=out["exp_avg"][:, src_slots],
+        exp_avg_sq=out["exp_avg_sq"][:, src_slots], acc=acc[:, probes],
+    )
+    assert_step_matches(got, sub, sub_before)
