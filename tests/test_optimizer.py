@@ -18,7 +18,7 @@ import zenflow_triton.optimizer as zopt
 from zenflow_triton import ZenFlowAdam, ZenFlowAdamW
 
 MIN_OFFLOAD = 512
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "numba", "triton"]
 
 
 def _skip_unavailable(backend: str) -> None:

@@ -36,8 +36,9 @@ class ZenFlowConfig:
     """Parameters with ndim >= 2 and at least this many elements are offloaded; the rest stay resident."""
     cpu_threads: int | None = None
     """numba threads of the host worker; None leaves one core for the training process."""
-    backend: Literal["auto", "triton", "torch"] = "auto"
-    """Device kernels: triton (CUDA, or CPU under TRITON_INTERPRET=1), torch, or auto (triton on CUDA)."""
+    backend: Literal["auto", "triton", "numba", "torch"] = "auto"
+    """Device-side kernels: triton (CUDA, or CPU under TRITON_INTERPRET=1), numba (CPU tensors), torch (plain
+    torch, any device), or auto (triton on CUDA, numba on CPU)."""
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient landing buffer on the host; bfloat16 halves device-to-host traffic."""
     worker_timeout: float = 600.0
@@ -66,8 +67,8 @@ class ZenFlowConfig:
         t = self.cpu_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"Invalid cpu_threads: {t!r} (an int >= 1 or None)")
-        if self.backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"Invalid backend: {self.backend!r} (one of 'auto', 'triton', 'torch')")
+        if self.backend not in ("auto", "triton", "numba", "torch"):
+            raise ValueError(f"Invalid backend: {self.backend!r} (one of 'auto', 'triton', 'numba', 'torch')")
         if self.grad_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"Invalid grad_dtype: {self.grad_dtype!r} (one of 'float32', 'bfloat16')")
         if not (isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):

@@ -93,7 +93,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap: apply each window's host result one window late instead of waiting for it.
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
         cpu_threads: numba threads of the host worker (None: all cores but one).
-        backend: "triton", "torch" or "auto" (triton on CUDA, torch otherwise).
+        backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
 
@@ -737,11 +737,20 @@ def _check_group_hparams(**kw: Any) -> None:
 
 
 def _load_backend(name: str, device: torch.device) -> Any:
-    """The device-side ops: Triton kernels, or their plain-torch twins."""
+    """The device-side ops: Triton kernels, numba kernels for CPU tensors, or their plain-torch twins."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cpu":
+            name = "numba"
+        else:
+            name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         return reference
+    if name == "numba":
+        if device.type != "cpu":
+            raise ValueError(f"backend='numba' runs the device-side ops on CPU tensors; the parameters are on {device}")
+        from .kernels import cpu_fused_step
+
+        return cpu_fused_step
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run "
