@@ -509,3 +509,56 @@ def test_stats_flush_close_and_context_manager() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
     assert not opt._worker.alive
+
+
+# ---------------------------------------------------------------------------------------------------- auto
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory) -> str:
+    from zenflow_triton.autotune.__main__ import main as autotune_main
+
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    assert autotune_main(["--quick", "--output", str(path), "-q"]) == 0
+    return str(path)
+
+
+def test_auto_knobs_plan_after_warmup_and_report(quick_profile, monkeypatch) -> None:
+    monkeypatch.setenv("ZENFLOW_TRITON_PROFILE", quick_profile)
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio="auto", update_interval="auto",
+                       min_offload_numel=MIN_OFFLOAD)
+    assert opt.stats()["update_interval"] is None  # nothing is chosen before the step time is measured
+    for i in range(zopt.AUTO_WARMUP_STEPS):
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+        time.sleep(0.002)  # a known share of the step outside step(), like a forward and backward
+    assert opt.stats()["selections"] == 0 and opt._plan is None  # still warming up, synchronously
+    _train_steps(opt, model, 3)
+    st = opt.stats()
+    assert st["selections"] == 1
+    r, u = st["topk_ratio"], st["update_interval"]
+    assert 0.0 <= r <= 1.0 and isinstance(u, int) and u >= 1
+    assert st["select_interval"] % u == 0
+    assert st["measured_step_time_s"] >= 0.002
+    assert st["predicted_stall_per_window_s"] >= 0.0 and "measured_stall_per_window_s" in st
+    assert isinstance(st["auto_reason"], str) and st["auto_reason"]
+    sd = opt.state_dict()
+    assert sd["zenflow"]["update_interval"] == u and sd["zenflow"]["topk_ratio"] == r
+    fresh = ZenFlowAdamW(Net().parameters(), topk_ratio="auto", update_interval="auto", min_offload_numel=MIN_OFFLOAD)
+    fresh.load_state_dict(sd)
+    assert fresh.stats()["update_interval"] == u and fresh.stats()["topk_ratio"] == r
+    fresh.close()
+    opt.close()
+
+
+def test_auto_respects_a_fixed_knob(quick_profile, monkeypatch) -> None:
+    monkeypatch.setenv("ZENFLOW_TRITON_PROFILE", quick_profile)
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval="auto", select_interval=12,
+                       min_offload_numel=MIN_OFFLOAD)
+    _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS + 1)
+    st = opt.stats()
+    assert st["topk_ratio"] == 0.25 and 12 % st["update_interval"] == 0 and st["select_interval"] == 12
+    opt.close()

@@ -75,6 +75,8 @@ class _Stats:
     selected_energy_fraction: float = float("nan")
     columns_changed_last_selection: int = 0
     step_time_samples: list[float] = field(default_factory=list)
+    stall_at_plan: float = 0.0
+    windows_at_plan: int = 0
 
 
 def _shutdown(worker: HostWorker) -> None:
@@ -335,6 +337,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
         }
         if self._plan is not None:
+            windows = s.windows - s.windows_at_plan
+            out["measured_stall_per_window_s"] = (s.stall_s - s.stall_at_plan) / windows if windows else 0.0
             out["predicted_stall_per_window_s"] = self._plan.predicted_stall_s
             out["predicted_host_per_window_s"] = self._plan.predicted_host_s
             out["auto_reason"] = self._plan.reason
@@ -687,7 +691,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             offloaded_shapes=shapes, param_dtype=param_dtype, grad_dtype=self.config.grad_dtype,
             step_time_s=self._measured_step_time(), device=self._device or torch.device("cpu"),
             topk_ratio=self._topk_ratio, update_interval=self._update_interval,
+            select_interval=self.config.select_interval, overlap=self.config.overlap,
+            cpu_threads=self.config.cpu_threads,
         )
+        # Warm-up windows wait synchronously by design; the prediction is about the windows that follow.
+        self._stats.stall_at_plan = self._stats.stall_s
+        self._stats.windows_at_plan = self._stats.windows
         self._plan = plan
         self._topk_ratio = float(plan.topk_ratio)
         self._update_interval = int(plan.update_interval)

@@ -1,0 +1,484 @@
+"""Hardware probes: measure this machine once, so the cost model can plan without touching hardware again.
+
+What is measured (DESIGN §8):
+
+- pinned host-to-device and device-to-host bandwidth over a range of sizes, through the optimizer's own
+  :class:`~zenflow_triton.host_memory.HostSlab` and a side copy stream;
+- the host AdamW kernel's throughput at each thread count, fp32 and bf16 gradient landing, on buffers
+  larger than the last-level cache;
+- device memory bandwidth, free memory and name; the CPU model, core count and last-level cache;
+- host ``memcpy`` bandwidth and the torch backend's device-side ops on CPU tensors: on a machine without a
+  GPU these stand in for PCIe and the Triton kernels (labelled as such; GPU figures are never invented).
+
+Nothing here runs at import: numba (compiling) and CUDA are touched only inside the probe functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .cache import machine_key
+from .model import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+
+__all__ = [
+    "ProbeSettings",
+    "probe_machine",
+    "host_description",
+    "available_cores",
+    "cpu_model_name",
+    "last_level_cache_bytes",
+    "measure_memcpy",
+    "measure_pcie",
+    "measure_host_adamw",
+    "measure_cpu_device_ops",
+    "measure_gpu_memory",
+]
+
+Progress = Callable[[str], None]
+
+MiB = 2**20
+# Fallback when sysfs does not say (containers, macOS): a typical server L3; only sizes the AdamW buffers.
+_DEFAULT_LLC_BYTES = 32 * MiB
+# Bytes the AdamW probe streams per element: fp32 master, m, v read and written, fp32 grad read, bf16
+# snapshot written. Buffers are sized from it to be several times the last-level cache, so the rate is the
+# memory-bound one the optimizer sees on real models, not a cache-resident one.
+_ADAMW_BYTES_PER_ELEM = 3 * 4 * 2 + 4 + 2
+_ADAMW_COLS = 4096
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How much to measure. ``quick()`` takes a few seconds; ``full()`` some tens of seconds."""
+
+    copy_sizes: tuple[int, ...]
+    """Bytes per copy for the bandwidth curves (ascending)."""
+    copy_repeats: int
+    adamw_numel: int | None
+    """Elements per AdamW call; None: several times the last-level cache."""
+    adamw_repeats: int
+    thread_counts: tuple[int, ...] | None
+    """Host thread counts to time; None: every count from 1 to the cores available (quick: a spread)."""
+    device_ops_numel: int | None
+    """Elements of the CPU-tensor device-step probe; None: beyond the last-level cache like the AdamW probe."""
+    gpu_bandwidth_bytes: int
+    quick: bool
+
+    @classmethod
+    def quick_settings(cls) -> ProbeSettings:
+        return cls(copy_sizes=(1 * MiB, 16 * MiB, 64 * MiB), copy_repeats=3, adamw_numel=None, adamw_repeats=3,
+                   thread_counts=None, device_ops_numel=None, gpu_bandwidth_bytes=64 * MiB, quick=True)
+
+    @classmethod
+    def full_settings(cls) -> ProbeSettings:
+        return cls(copy_sizes=(256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB), copy_repeats=5,
+                   adamw_numel=None, adamw_repeats=5, thread_counts=None, device_ops_numel=None,
+                   gpu_bandwidth_bytes=256 * MiB, quick=False)
+
+    def with_overrides(self, *, adamw_numel: int | None = None, max_copy_bytes: int | None = None) -> ProbeSettings:
+        """Smaller runs (tests, small machines): cap the AdamW buffer and the largest copy."""
+        s = self
+        if adamw_numel is not None:
+            dev = min(s.device_ops_numel or adamw_numel, adamw_numel)
+            s = replace(s, adamw_numel=adamw_numel, device_ops_numel=dev)
+        if max_copy_bytes is not None:
+            sizes = tuple(n for n in s.copy_sizes if n <= max_copy_bytes) or (max_copy_bytes,)
+            s = replace(s, copy_sizes=sizes, gpu_bandwidth_bytes=min(s.gpu_bandwidth_bytes, max_copy_bytes))
+        return s
+
+
+# ------------------------------------------------------------------------------------------------ host
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), which is what a worker thread pool can use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def last_level_cache_bytes() -> int:
+    """Size of the largest data or unified cache of CPU 0 (sysfs), or 32 MiB if the system does not say."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1024, "M": MiB, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or _DEFAULT_LLC_BYTES
+
+
+def host_description() -> dict[str, object]:
+    return {"hostname": socket.gethostname(), "cpu_model": cpu_model_name(), "cpu_cores": available_cores(),
+            "llc_bytes": last_level_cache_bytes()}
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # The best time: it measures what the hardware can do. Other processes on the machine only ever slow a run
+    # down, and on a shared machine they did so by 2-4x at random moments of a few milliseconds (2-core CI VM,
+    # load average 5): the median of a handful of short calls followed the neighbours, not the hardware.
+    return min(times)
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / 1024:g} KiB"
+
+
+def _say(progress: Progress | None, msg: str) -> None:
+    if progress is not None:
+        progress(msg)
+
+
+# ------------------------------------------------------------------------------------------- bandwidth
+
+
+def measure_memcpy(sizes: Sequence[int], *, repeats: int = 3, progress: Progress | None = None) -> BandwidthCurve:
+    """Host-to-host ``Tensor.copy_`` bandwidth: the copy a run on CPU tensors makes where a GPU run crosses PCIe."""
+    from zenflow_triton.host_memory import HostSlab
+
+    top = max(sizes)
+    slab = HostSlab([((top,), torch.uint8), ((top,), torch.uint8)], pin=False)
+    src, dst = slab.views
+    src.fill_(1)
+    dst.copy_(src)  # first touch: page faults belong to allocation, not to copying
+    points = []
+    for n in sorted(sizes):
+        t = _best_seconds(lambda n=n: dst[:n].copy_(src[:n]), repeats)
+        points.append((int(n), n / t))
+        _say(progress, f"memcpy {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s")
+    return BandwidthCurve(kind="memcpy", points=tuple(points))
+
+
+def measure_pcie(
+    sizes: Sequence[int], *, device: torch.device, repeats: int = 3, progress: Progress | None = None
+) -> tuple[BandwidthCurve, BandwidthCurve]:
+    """Pinned H2D and D2H bandwidth through a :class:`HostSlab` and a side stream, as the optimizer copies."""
+    from zenflow_triton.host_memory import HostSlab
+
+    top = max(sizes)
+    slab = HostSlab([((top,), torch.uint8)], pin=True)
+    host = slab.views[0]
+    host.fill_(1)
+    dev = torch.empty(top, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=device)
+    curves = {}
+    with torch.cuda.device(device):
+        for name in ("h2d", "d2h"):
+            curves[name] = _pcie_curve(name, sizes, host, dev, stream, repeats, progress)
+    return curves["h2d"], curves["d2h"]
+
+
+def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.Tensor, stream: torch.cuda.Stream,
+                repeats: int, progress: Progress | None) -> BandwidthCurve:
+    points = []
+    for n in sorted(sizes):
+        src, dst = (host[:n], dev[:n]) if name == "h2d" else (dev[:n], host[:n])
+        times = []
+        for i in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            # The event's timestamp is valid only once the copy has completed.
+            end.synchronize()
+            if i:  # the first copy pays for mapping and driver warm-up
+                times.append(start.elapsed_time(end) / 1e3)
+        t = min(times)  # best of the repeats, as _best_seconds
+        points.append((int(n), n / t))
+        _say(progress, f"PCIe {name.upper()} pinned {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s")
+    return BandwidthCurve(kind=f"pcie-{name}", points=tuple(points))
+
+
+def measure_gpu_memory(
+    device: torch.device, *, nbytes: int, repeats: int = 3, progress: Progress | None = None
+) -> tuple[str, int, int, float]:
+    """``(name, total_bytes, free_bytes, bandwidth)``; bandwidth counts bytes read plus written per second."""
+    name = torch.cuda.get_device_name(device)
+    free, total = torch.cuda.mem_get_info(device)
+    times = []
+    with torch.cuda.device(device):  # events and the current stream belong to the measured device
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        a.fill_(1)
+        for i in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            b.copy_(a)
+            end.record()
+            end.synchronize()  # elapsed_time needs the end event completed
+            if i:
+                times.append(start.elapsed_time(end) / 1e3)
+    bw = 2 * nbytes / min(times)
+    _say(progress, f"{name}: {bw / 1e9:.0f} GB/s device copy, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    return name, int(total), int(free), bw
+
+
+# -------------------------------------------------------------------------------------------- host AdamW
+
+
+def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
+    try:
+        import numba
+
+        cores = min(cores, numba.config.NUMBA_NUM_THREADS)  # numba cannot run more threads than its pool
+    except ImportError:
+        pass
+    if settings.thread_counts is not None:
+        return sorted({t for t in settings.thread_counts if 1 <= t <= cores}) or [1]
+    if not settings.quick:
+        return list(range(1, cores + 1))
+    # A spread is enough to find where the memory-bound kernel stops scaling; the planner uses at most cores-1.
+    counts = {1, cores, max(1, cores - 1)}
+    counts.update(2**i for i in range(1, int(math.log2(cores)) + 1))
+    return sorted(counts)
+
+
+def measure_host_adamw(
+    *,
+    numel: int,
+    thread_counts: Sequence[int],
+    repeats: int = 3,
+    grad_dtypes: Sequence[str] = ("float32", "bfloat16"),
+    progress: Progress | None = None,
+) -> CpuAdamwRates:
+    """Params/s of the host AdamW kernel at each thread count and landing dtype (bf16 snapshot written).
+
+    Uses ``kernels.cpu_adamw`` (numba); falls back to ``kernels.reference`` (torch threads) if that cannot be
+    imported. The first call may compile the numba kernel (cached on disk afterwards).
+    """
+    from zenflow_triton.host_memory import HostSlab
+
+    try:
+        from zenflow_triton.kernels.cpu_adamw import host_adamw_
+
+        kernel = "numba"
+    except ImportError:
+        from zenflow_triton.kernels.reference import host_adamw_
+
+        kernel = "torch-reference"
+    rows = max(1, -(-numel // _ADAMW_COLS))
+    cols = _ADAMW_COLS if numel >= _ADAMW_COLS else numel
+    shape = (rows, cols)
+    slab = HostSlab([(shape, torch.float32)] * 4 + [(shape, torch.bfloat16)] * 2, pin=False)
+    master, exp_avg, exp_avg_sq, grad32, grad16, snapshot = slab.views
+    master.fill_(0.5)
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
+    grad32.fill_(1e-3)
+    grad16.fill_(1e-3)
+    slot = torch.full((cols,), -1, dtype=torch.int32)  # every column is the host's, as with topk_ratio=0
+    col_step = torch.full((cols,), 10, dtype=torch.int32)
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    big = (master, exp_avg, exp_avg_sq, snapshot, slot, col_step)
+
+    def call(grad: torch.Tensor, threads: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        m, v, s, snap, sl, cs = bufs
+        # count=4: a window's gradient is a sum, so the division path is the one that runs in practice.
+        kwargs = dict(count=4, slot=sl, col_step=cs, snapshot=snap, **hp)
+        if kernel == "numba":
+            host_adamw_(m, v, s, grad, num_threads=threads, **kwargs)
+        else:
+            host_adamw_(m, v, s, grad, **kwargs)
+
+    # Compile (or load from numba's disk cache) both specializations first, so no timing below includes it.
+    tiny = (torch.zeros(1, 64), torch.zeros(1, 64), torch.zeros(1, 64), torch.zeros(1, 64, dtype=torch.bfloat16),
+            torch.full((64,), -1, dtype=torch.int32), torch.ones(64, dtype=torch.int32))
+    tiny_grads = {"float32": torch.zeros(1, 64), "bfloat16": torch.zeros(1, 64, dtype=torch.bfloat16)}
+    start = time.perf_counter()
+    for dt in grad_dtypes:
+        call(tiny_grads[dt], 1, tiny)
+    compile_s = time.perf_counter() - start
+    if compile_s > 0.5:
+        _say(progress, f"host AdamW ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
+
+    rates: dict[str, dict[int, float]] = {}
+    overhead: dict[int, float] = {}
+    total = rows * cols
+    torch_threads = torch.get_num_threads()
+    try:
+        for t in thread_counts:
+            if kernel != "numba":
+                torch.set_num_threads(t)
+            # Fixed per-call cost (checks, column plan, waking t threads), paid once per parameter per window.
+            overhead[int(t)] = _best_seconds(lambda t=t: call(tiny_grads["float32"], t, tiny), repeats=10, warmup=2)
+        for dt in grad_dtypes:
+            grad = grad32 if dt == "float32" else grad16
+            rates[dt] = {}
+            for t in thread_counts:
+                if kernel != "numba":
+                    torch.set_num_threads(t)
+                sec = _best_seconds(lambda g=grad, t=t: call(g, t, big), repeats)
+                rates[dt][int(t)] = total / sec
+                _say(progress, f"host AdamW ({kernel}) {dt} grad, {t} thread(s): {total / sec / 1e6:.0f} M params/s")
+    finally:
+        torch.set_num_threads(torch_threads)
+    _say(progress, "host AdamW call overhead: " + ", ".join(f"{t} thread(s) {s * 1e6:.0f} us"
+                                                            for t, s in overhead.items()))
+    return CpuAdamwRates(kernel=kernel, numel=total, rates=rates, call_overhead_s=overhead)
+
+
+def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None) -> DeviceOpRates:
+    """Rates of the device-side work on CPU tensors (the torch backend, at torch's current thread count): the
+    pass over every gradient element, the extra cost per element of Adam on selected columns (timed with none
+    and with all selected), and the merge of a host result into the unselected columns."""
+    from zenflow_triton.kernels import reference
+
+    cols = 1024 if numel >= 1024 else numel
+    rows = max(1, numel // cols)
+    n = rows * cols
+    param = torch.full((rows, cols), 0.5)
+    grad = torch.full((rows, cols), 1e-3)
+    acc = torch.zeros(rows, cols)
+    score = torch.zeros(cols)
+    col_step = torch.full((cols,), 10, dtype=torch.int32)
+    unselected = torch.full((cols,), -1, dtype=torch.int32)
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    def step(k: int) -> float:
+        slot = torch.arange(cols, dtype=torch.int32) if k else unselected
+        state = [torch.zeros(rows, k) for _ in range(3)]
+        return _best_seconds(lambda: reference.fused_step_(
+            param, grad, score=score, slot=slot, col_step=col_step, master=state[0], exp_avg=state[1],
+            exp_avg_sq=state[2], acc=acc, accumulate=True, **hp), repeats)
+
+    t_pass = step(0)
+    t_all = step(cols)
+    # Noise can make the difference tiny or negative; never let it claim Adam is free.
+    t_adam = max(t_all - t_pass, 0.05 * t_pass)
+    t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats)
+    rates = DeviceOpRates(source=f"measured: torch backend on CPU tensors, {torch.get_num_threads()} torch threads",
+                          pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge)
+    _say(progress, f"CPU-tensor device step (torch): pass {rates.pass_rate / 1e6:.0f} M elem/s, "
+                   f"Adam {rates.adam_rate / 1e6:.0f} M elem/s, merge {rates.merge_rate / 1e6:.0f} M elem/s")
+    return rates
+
+
+# -------------------------------------------------------------------------------------------------- all
+
+
+def probe_machine(
+    settings: ProbeSettings | None = None,
+    *,
+    device: torch.device | str | None = None,
+    progress: Progress | None = None,
+) -> Profile:
+    """Measure this machine; ``settings`` defaults to the full probe.
+
+    ``device``: the CUDA device to measure (default: the current one, if CUDA is available). Without CUDA
+    the profile carries ``gpu=None`` and says why in ``gpu_unavailable``.
+    """
+    settings = settings or ProbeSettings.full_settings()
+    durations: dict[str, float] = {}
+    t_all = time.perf_counter()
+    host = host_description()
+    cores = int(host["cpu_cores"])  # type: ignore[call-overload]
+    llc = int(host["llc_bytes"])  # type: ignore[call-overload]
+    _say(progress, f"host: {host['cpu_model']}, {cores} cores, last-level cache {_fmt_bytes(llc)}")
+
+    gpu: GpuInfo | None = None
+    gpu_unavailable: str | None = None
+    cuda_device: torch.device | None = None
+    if not torch.cuda.is_available():
+        gpu_unavailable = "CUDA is not available (torch.cuda.is_available() is False): no GPU or PCIe figures"
+        _say(progress, f"GPU: unavailable: {gpu_unavailable}")
+    else:
+        cuda_device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if cuda_device.type != "cuda":
+            cuda_device = None
+            gpu_unavailable = f"device {device} is not a CUDA device: no GPU or PCIe figures"
+
+    start = time.perf_counter()
+    memcpy = measure_memcpy(settings.copy_sizes, repeats=settings.copy_repeats, progress=progress)
+    durations["memcpy"] = time.perf_counter() - start
+
+    if cuda_device is not None:
+        # Device memory first: free memory is read before this probe's own buffers sit in torch's cache.
+        start = time.perf_counter()
+        name, total, free, bw = measure_gpu_memory(cuda_device, nbytes=settings.gpu_bandwidth_bytes,
+                                                   repeats=settings.copy_repeats, progress=progress)
+        durations["gpu_memory"] = time.perf_counter() - start
+        start = time.perf_counter()
+        h2d, d2h = measure_pcie(settings.copy_sizes, device=cuda_device, repeats=settings.copy_repeats,
+                                progress=progress)
+        durations["pcie"] = time.perf_counter() - start
+        gpu = GpuInfo(name=name, total_bytes=total, free_bytes=free, mem_bandwidth=bw, h2d=h2d, d2h=d2h)
+
+    # Working sets of 2x the LLC at the least (4x for the full probe).
+    floor, multiple = (4 << 20, 2) if settings.quick else (16 << 20, 4)
+    numel = settings.adamw_numel or max(floor, multiple * llc // _ADAMW_BYTES_PER_ELEM)
+    start = time.perf_counter()
+    cpu_adamw = measure_host_adamw(numel=numel, thread_counts=_thread_counts(cores, settings),
+                                   repeats=settings.adamw_repeats, progress=progress)
+    durations["host_adamw"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    # Parameter, gradient and accumulator (12 bytes per element) at twice the cache: the torch ops are slow
+    # enough (about 1 s per call at 4x on the 2-core CI VM) that a larger size buys nothing but time.
+    dev_numel = settings.device_ops_numel or max(1 << 20, 2 * llc // 12)
+    cpu_device = measure_cpu_device_ops(numel=dev_numel, repeats=min(3, settings.adamw_repeats), progress=progress)
+    durations["cpu_device_ops"] = time.perf_counter() - start
+    durations["total"] = time.perf_counter() - t_all
+
+    import numpy
+
+    from zenflow_triton import __version__
+
+    versions = {"zenflow_triton": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+                "python": platform.python_version()}
+    try:
+        import numba
+
+        versions["numba"] = numba.__version__
+    except ImportError:
+        pass
+    return Profile(
+        machine_key=machine_key(str(host["hostname"]), str(host["cpu_model"]), None if gpu is None else gpu.name),
+        hostname=str(host["hostname"]),
+        cpu_model=str(host["cpu_model"]),
+        cpu_cores=cores,
+        llc_bytes=llc,
+        cpu_adamw=cpu_adamw,
+        memcpy=memcpy,
+        cpu_device=cpu_device,
+        gpu=gpu,
+        gpu_unavailable=gpu_unavailable,
+        quick=settings.quick,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        versions=versions,
+        durations=durations,
+    )

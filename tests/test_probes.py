@@ -1,0 +1,101 @@
+"""Hardware probes on tiny sizes: positive figures on CPU, GPU figures reported unavailable without CUDA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zenflow_triton.autotune import probes
+from zenflow_triton.autotune.cache import load_profile, save_profile
+from zenflow_triton.autotune.probes import ProbeSettings, probe_machine
+
+MiB = 2**20
+TINY = ProbeSettings(copy_sizes=(64 * 1024, MiB), copy_repeats=2, adamw_numel=1 << 16, adamw_repeats=2,
+                     thread_counts=None, device_ops_numel=1 << 14, gpu_bandwidth_bytes=MiB, quick=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    return probe_machine(TINY)
+
+
+def test_host_description_is_plausible():
+    assert probes.available_cores() >= 1
+    assert probes.last_level_cache_bytes() >= 64 * 1024
+    assert probes.cpu_model_name()
+
+
+def test_memcpy_curve_is_positive_and_labelled():
+    curve = probes.measure_memcpy([4096, 64 * 1024], repeats=2)
+    assert curve.kind == "memcpy"
+    assert [n for n, _ in curve.points] == [4096, 64 * 1024]
+    assert all(bw > 0 for _, bw in curve.points)
+
+
+def test_host_adamw_rates_cover_both_landing_dtypes_and_each_thread_count():
+    messages: list[str] = []
+    rates = probes.measure_host_adamw(numel=1 << 14, thread_counts=[1, 2], repeats=1, progress=messages.append)
+    assert rates.kernel in ("numba", "torch-reference")
+    assert set(rates.rates) == {"float32", "bfloat16"}
+    assert all(set(tab) == {1, 2} and min(tab.values()) > 0 for tab in rates.rates.values())
+    assert set(rates.call_overhead_s) == {1, 2} and min(rates.call_overhead_s.values()) > 0
+    assert any("params/s" in m for m in messages)
+
+
+def test_cpu_device_op_rates_are_positive():
+    rates = probes.measure_cpu_device_ops(numel=1 << 12, repeats=1)
+    assert rates.pass_rate > 0 and rates.adam_rate > 0 and rates.merge_rate > 0
+    assert "CPU tensors" in rates.source
+
+
+def test_quick_thread_counts_are_a_spread_within_the_cores():
+    quick = ProbeSettings.quick_settings()
+    full = ProbeSettings.full_settings()
+    counts = probes._thread_counts(64, quick)
+    assert counts[0] == 1 and max(counts) <= 64 and len(counts) < 12
+    assert probes._thread_counts(1, full) == [1]
+
+
+def test_overrides_shrink_the_run():
+    s = ProbeSettings.full_settings().with_overrides(adamw_numel=1000, max_copy_bytes=3 * MiB)
+    assert s.adamw_numel == 1000 and s.device_ops_numel == 1000
+    assert max(s.copy_sizes) <= 3 * MiB and s.gpu_bandwidth_bytes <= 3 * MiB
+
+
+def test_probe_machine_on_this_host(tiny_profile, tmp_path):
+    prof = tiny_profile
+    assert prof.cpu_cores == probes.available_cores()
+    assert prof.memcpy.peak > 0
+    assert min(min(t.values()) for t in prof.cpu_adamw.rates.values()) > 0
+    assert prof.durations["total"] > 0
+    if not torch.cuda.is_available():
+        assert prof.gpu is None
+        assert "CUDA" in prof.gpu_unavailable
+        assert prof.machine_key.endswith("__nogpu")
+    assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
+
+
+def test_importing_the_package_compiles_nothing_and_leaves_cuda_alone():
+    code = ("import sys, torch, zenflow_triton.autotune, zenflow_triton.autotune.__main__; "
+            "assert 'numba' not in sys.modules, 'numba imported'; "
+            "assert not torch.cuda.is_initialized(), 'CUDA initialized'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.gpu
+def test_pcie_and_gpu_probes_measure_the_device():
+    device = torch.device("cuda", torch.cuda.current_device())
+    h2d, d2h = probes.measure_pcie([MiB, 4 * MiB], device=device, repeats=2)
+    assert h2d.kind == "pcie-h2d" and d2h.kind == "pcie-d2h"
+    assert h2d.peak > 1e8 and d2h.peak > 1e8
+    name, total, free, bw = probes.measure_gpu_memory(device, nbytes=8 * MiB, repeats=2)
+    assert name and 0 < free <= total and bw > 1e9
+
+
+@pytest.mark.gpu
+def test_probe_machine_with_a_gpu(tiny_profile):
+    assert tiny_profile.gpu is not None and tiny_profile.gpu_unavailable is None
+    assert not tiny_profile.machine_key.endswith("__nogpu")
