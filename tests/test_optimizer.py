@@ -562,3 +562,35 @@ def test_auto_respects_a_fixed_knob(quick_profile, monkeypatch) -> None:
     st = opt.stats()
     assert st["topk_ratio"] == 0.25 and 12 % st["update_interval"] == 0 and st["select_interval"] == 12
     opt.close()
+
+
+def test_grad_scaler_unscales_and_skips_inf_steps() -> None:
+    """AMP's GradScaler works unchanged: unscale_ reads .grad, and a step with inf gradients is skipped."""
+
+    def run(use_scaler: bool, poison_step: int | None) -> list[torch.Tensor]:
+        model = Net()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                           min_offload_numel=MIN_OFFLOAD)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=use_scaler)
+        for i in range(6):
+            opt.zero_grad()
+            loss = loss_fn(model, i)
+            if i == poison_step:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.flush()
+        out = [p.detach().clone() for p in model.parameters()]
+        steps = opt.stats()["steps"]
+        opt.close()
+        return out, steps
+
+    plain, steps_plain = run(False, None)
+    scaled, steps_scaled = run(True, None)
+    for a, b in zip(plain, scaled):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # scales are powers of two: unscaling is exact
+    _, steps_skipped = run(True, 3)
+    assert steps_plain == steps_scaled == 6 and steps_skipped == 5
