@@ -51,8 +51,9 @@ def batch(i: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, tor
 
 
 def loss_fn(model: nn.Module, i: int) -> torch.Tensor:
-    x, y = batch(i, next(model.parameters()).dtype)
-    return (model(x) - y).float().pow(2).mean()
+    p = next(model.parameters())
+    x, y = batch(i, p.dtype)
+    return (model(x.to(p.device)) - y.to(p.device)).float().pow(2).mean()
 
 
 def offloaded(model: nn.Module) -> list[nn.Parameter]:
@@ -147,9 +148,10 @@ class Simulation:
 def check_against_simulation(
     *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
     dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
+    device: str = "cpu",
 ) -> ZenFlowAdamW:
-    model = Net(dtype)
-    twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy
+    model = Net(dtype).to(device)
+    twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy (on the CPU)
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
                   warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend)
@@ -157,7 +159,7 @@ def check_against_simulation(
     ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
     resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]
     ref = ref_cls(resident_twin, **hp, foreach=False)
-    sims = {p: Simulation(p, r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
+    sims = {p: Simulation(p.detach().cpu(), r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
                           decoupled=opt_cls is ZenFlowAdamW) for p in offloaded(model)}
     # fp32 state differs from the simulation only by rounding (it computes the same math in another order);
     # bf16 parameters may land one bf16 ulp apart when a master value sits near a rounding boundary.
@@ -168,23 +170,23 @@ def check_against_simulation(
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for q, p in zip(twin.parameters(), model.parameters()):
-            q.grad = p.grad.clone()
+            q.grad = p.grad.cpu()
         lr = opt.param_groups[0]["lr"]
         opt.step()
         ref.param_groups[0]["lr"] = lr
         ref.step()
         sched.step()
         for p, sim in sims.items():
-            sim.step(p.grad, lr, *hp["betas"], hp["eps"], hp["weight_decay"])
-            torch.testing.assert_close(p.detach().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol,
+            sim.step(p.grad.cpu(), lr, *hp["betas"], hp["eps"], hp["weight_decay"])
+            torch.testing.assert_close(p.detach().cpu().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol,
                                        msg=lambda m, i=i: f"step {i + 1}: {m}")
         for q, p in zip(twin.parameters(), model.parameters()):
             if not (p.dim() >= 2 and p.numel() >= MIN_OFFLOAD):
-                torch.testing.assert_close(p, q, atol=atol, rtol=rtol)
+                torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=atol, rtol=rtol)
     opt.flush()
     for p, sim in sims.items():
         sim.flush()
-        torch.testing.assert_close(p.detach().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol)
+        torch.testing.assert_close(p.detach().cpu().view(sim.rows, sim.cols), sim.w, atol=atol, rtol=rtol)
     return opt
 
 
@@ -594,3 +596,40 @@ def test_grad_scaler_unscales_and_skips_inf_steps() -> None:
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # scales are powers of two: unscaling is exact
     _, steps_skipped = run(True, 3)
     assert steps_plain == steps_scaled == 6 and steps_skipped == 5
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_matches_simulation_every_step(backend: str, overlap: bool) -> None:
+    """The CUDA pipeline (pinned slabs, copy stream, events, staging merge) against the same oracle."""
+    check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=3, select=6, steps=21,
+                             device="cuda")
+    check_against_simulation(backend=backend, overlap=overlap, warmup=0, r=0.3, interval=2, select=4, steps=12,
+                             dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_checkpoint_loads_onto_cpu_and_back() -> None:
+    model = Net().cuda()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    _train_steps(opt, model, 5)  # mid-window, with the last window's result pending
+    assert opt.stats()["pinned_bytes"] > 0
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True, map_location="cpu")
+    for device in ("cpu", "cuda"):
+        other = Net().to(device)
+        other.load_state_dict(ckpt["model"])
+        opt2 = ZenFlowAdamW(other.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                            min_offload_numel=MIN_OFFLOAD)
+        opt2.load_state_dict(ckpt["opt"])
+        _train_steps(opt2, other, 3)
+        opt2.flush()
+        assert all(torch.isfinite(p).all() for p in other.parameters())
+        opt2.close()
+    opt.close()
