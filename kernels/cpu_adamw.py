@@ -3,20 +3,30 @@
 ``host_adamw_`` is the numba twin of :func:`zenflow_triton.kernels.reference.host_adamw_`: masked AdamW on the
 unselected columns (``slot[j] < 0``) of full ``[R, C]`` fp32 master/exp_avg/exp_avg_sq, gradient ``grad / count``
 (fp32 or bf16 in), per-column bias correction from ``col_step``, and the updated master written to ``snapshot``
-(fp32, bf16 or fp16) in the same pass. The kernel streams 28 bytes per parameter (fp32 state and grad), so it is
-bound by memory bandwidth; everything below is arranged so that the arithmetic hides under the memory traffic.
+(fp32, bf16 or fp16) in the same pass. It streams 28 bytes per parameter, so memory bandwidth bounds it; the
+arithmetic (one sqrt and one or two divides per element on a shared divider) must hide under the traffic.
 
-Rounding follows ``torch.optim.AdamW`` (foreach=False) op for op: torch's x86 CPU kernels compute ``lerp_``,
-``addcmul_`` and ``add(alpha=)`` with a fused multiply-add (checked on torch 2.13, AVX2, vector body and scalar
-tail alike), so this kernel calls ``llvm.fma`` in the same places, and ``addcdiv_`` rounds as
-``p + ((-step_size) * m) / denom``, the order used here. The moments then equal torch's bit for bit. The master
-can differ by an ulp: torch's AVX2 ``Tensor.sqrt`` is not correctly rounded (16% of inputs one ulp off, max
-error 0.75 ulp, measured), while this kernel takes the IEEE ``sqrt``.
+Design: columns are cut into chunks; a plan (per call, O(C)) lists the runs of columns to visit in each chunk,
+skipping blocks of selected columns, and notes whether a run's columns share one step count (then the bias
+corrections are two scalars). Work items are (row, run), split statically over the threads, so each thread
+streams a contiguous range of rows. Inside a run the loop has no branches: a run holding selected columns
+computes them too and blends the old bits back with integer masks. Loops vectorize to 8-lane AVX2, and software
+prefetch keeps every stream ahead of the arithmetic.
 
-``fastmath`` is off (IEEE semantics everywhere): it would allow reassociation, FMA contraction elsewhere and
-reciprocal approximations (results would drift from torch's and could change with the compiler's vector/scalar
-split, so with the thread count), and its ``nnan`` flag would fold away the NaN branches of the bf16/fp16
-rounding. It would not buy speed: the kernel waits on memory, not arithmetic (bench/report_host.py).
+Rounding follows ``torch.optim.AdamW`` (foreach=False) op for op where that costs nothing: torch's x86 kernels
+compute ``lerp_``, ``addcmul_`` and ``add(alpha=)`` with a fused multiply-add (checked on torch 2.13, AVX2, vector
+body and scalar tail alike), so this kernel calls ``llvm.fma`` in the same places, and ``addcdiv_`` rounds as
+``p + ((-step_size) * m) / denom``, the order used here: exp_avg and exp_avg_sq equal torch's bit for bit. Two
+deliberate differences in the denominator, both deterministic: the IEEE ``sqrt`` (torch's AVX2 ``Tensor.sqrt`` is
+not correctly rounded: 16% of inputs one ulp off, measured), and ``fma(sqrt(v), 1 / bc2, eps)`` in place of
+``sqrt(v) / bc2 + eps``, which saves one of the two divides per element (divider throughput is what bounded
+the bf16 path: 1.18 -> 1.07 ns/element in cache, one thread). The master then differs from torch's by about an
+ulp of the step (tests/test_cpu_adamw.py bounds it).
+
+``fastmath`` is off (IEEE semantics everywhere): it would allow reassociation, contraction elsewhere and
+approximate reciprocals and square roots whose results differ between CPU models, so results would drift from
+torch's and from machine to machine; its ``nnan`` flag would also fold away the NaN branches of the bf16/fp16
+rounding. Results do not depend on the thread count: every element sees the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -36,30 +46,34 @@ from ._checks import check_host_adamw_args, check_hyperparams
 
 __all__ = ["host_adamw_", "warmup"]
 
-# Columns per work item. Long runs of columns are cut into pieces of at most this length so that a matrix with
-# few rows (R = 1 included) still splits over the threads, and the work items stay equal in size for numba's
-# static schedule. Measured (bench/report_host.py, 2-core EPYC, 64M fp32 params, 2 threads): 1024 to 16384
-# columns all land within 1% of each other for R x C = 4096 x 16384 and 1 x 64M; 4096 keeps per-item overhead
-# (one integer division, loop set-up) below 0.1% of the item's ~3 us of streaming.
+# Tuning constants. Measurements: bench/report_host.py --tune (2-core AMD EPYC VM, shared with other jobs, so
+# medians of 11 interleaved rounds; differences under ~10% are within that noise).
+#
+# Columns per chunk: a work item is one chunk of one row, so a matrix with few rows (R = 1 included) still splits
+# over the threads, and items stay equal in size for numba's static schedule. 64M fp32, 2 threads, ms per step:
+# 4096 x 16384: chunk 1024 43.7, 4096 42.0, 16384 42.7, 65536 41.2 (flat); 1 x 64M: 84.6 / 88.8 / 84.0 / 70.7
+# (the per-chunk plan shows for R = 1). Kept small enough that R = 3, C = 16384 still balances over 2 threads.
 _CHUNK_COLS = 4096
-# A run of this many selected columns or more between updated columns is skipped; shorter runs are computed
-# and discarded by a per-column select (the "mixed" path), which keeps the loop vectorized. A skipped run saves
-# memory traffic only when it covers whole 64-byte lines (16 fp32 columns), and starting a new run costs a
-# loop set-up plus a scalar remainder (up to 7 elements of sqrt+div), about as much as blending through 64
-# columns. Measured: 10% random selection runs at the speed of 0% with the mixed path and ~40% slower when
-# every selected column splits a run (bench/report_host.py).
-_MIN_SKIP_COLS = 64
+# A block of this many columns that are all selected is skipped; other selected columns are computed and
+# discarded by a per-column blend, which keeps the loop vectorized (the traffic is the same: a partly selected
+# 64-byte line is read and written whole). 10% random, 50% random, 10% in runs of 32: same time for blocks of
+# 16, 64, 256 and 4096 columns; 10% contiguous: skipped at every size (41.0-42.5 ms vs 42.0 with nothing selected
+# in that sweep). 64 = four lines of fp32, and the plan counts 64 columns at a time.
+_SKIP_BLOCK = 64
 # Software prefetch: every _BLOCK elements, each stream's lines _PREFETCH_AHEAD elements ahead are requested.
-# The hardware prefetcher alone leaves the kernel at 0.86x the ceiling (1 thread, 64M fp32, thread CPU time: a
-# plain AdamW loop 60.9 ms vs ceiling 51.9 ms); with 1 KiB ahead it reaches 1.0x (51.3 ms). Measured distances
-# (ms): 128 el. 55.6, 192 el. 53.1, 256 el. 51.3-54.3, 384 el. 51.6, 512 el. 53.1, 1024 el. 62.2 (too far: lines
-# are evicted from L1 before use). _BLOCK = 64 elements = 4 lines of fp32: one prefetch per line and stream.
-_BLOCK = 64
+# Without it the hardware prefetcher leaves AdamW at 0.87x (1 thread, thread CPU time, 60.9 vs 51.9 ms for the
+# ceiling) and 0.92x (2 threads, median of 41 interleaved rounds) of the ceiling; with it, 1.0x and 0.96-0.98x.
+# Distances of 128 to 512 elements are within noise with 2 threads; 1024 falls back to 0.85x with 1 thread.
+_BLOCK = 64  # 4 lines of fp32: one prefetch per line and stream
 _BLOCK_U = np.uint64(_BLOCK)  # index arithmetic stays uint64 (uint64 + int64 is float64 in numba)
 _LINE_F32 = 16
 _PREFETCH_AHEAD = np.uint64(256)
-# Below this many elements a job runs on one thread: waking numba's pool costs more than it saves.
-_MIN_PARALLEL_ELEMS = 1 << 15
+# Below this many elements a job runs on one thread. Per call, bf16 grad and snapshot, 1 vs 2 threads (us):
+# 4096 el. 87.7 vs 95.8, 16384 el. 111.5 vs 101.7, 65536 el. 138.8 vs 124.9 (~70 us of it is Python).
+_MIN_PARALLEL_ELEMS = 1 << 14
+# Planning on several threads pays off only for very wide matrices: the plan costs ~1.7 us per chunk on one
+# thread (256 chunks: 0.44 ms), while waking a second thread on a busy machine can take milliseconds.
+_PARALLEL_PLAN_CHUNKS = 256
 
 
 # --- intrinsics: fma and bit casts, which numba does not expose as scalar operations -------------------------------
@@ -141,7 +155,7 @@ def _prefetch_opt_impl(arr, i):
 # --- conversions ------------------------------------------------------------------------------------------------------
 # All arithmetic stays in uint32 (every constant typed) so the vectorized loop runs 8 lanes per AVX2 op, not 4.
 # Helpers are register_jitable (numba overloads): callable from jitted code only, so numba builds no Python or
-# cfunc wrapper for them, which is a third of the compile time of an njit helper.
+# cfunc wrapper for them (less to compile: 4.0 s per kernel specialization, from 6.4 s with inlined njit helpers).
 
 _U32 = np.uint32  # numba widens uint32 arithmetic to 64 bits; truncating every step lets LLVM keep 8 lanes
 _U1 = _U32(1)
@@ -249,7 +263,8 @@ def _store_snap_masked(snap, i, p, mask):  # pragma: no cover - typing stub
 @overload(_store_snap_masked)
 def _store_snap_masked_impl(snap, i, p, mask):
     # ``mask`` is 0xFFFFFFFF (store) or 0 (keep the old value). The 16-bit formats blend with integer and/or: a
-    # select between 16-bit loads made LLVM's cost model refuse to vectorize the loop (5 ns/element instead of 1).
+    # select between 16-bit loads made LLVM's cost model refuse to vectorize the loop (bf16 mixed runs: 5.0 ns per
+    # element, 1.5 with and/or; one thread, data in L3).
     if isinstance(snap, types.NoneType):
         return lambda snap, i, p, mask: None
     if snap.dtype == types.float32:
@@ -275,97 +290,199 @@ def _store_snap_masked_impl(snap, i, p, mask):
 
 
 # --- the plan: per-column constants and the runs of columns to update --------------------------------------------
-
-
-@njit(nogil=True, cache=True, error_model="numpy")
-def _plan(slot, col_step, lr, beta1, beta2, chunk, min_skip):
-    """Per-column step size and sqrt(bias correction 2), the update mask, and the runs of columns to visit.
-
-    Bias corrections are computed in float64 and rounded to float32, as torch does; neighbouring columns almost
-    always share a step count, so each value is computed once per change of ``col_step``. Runs are ``[start, stop)``
-    pieces of at most ``chunk`` columns that begin and end on an updated column; a run is "mixed" when it contains
-    selected columns (fewer than ``min_skip`` in a row), which the kernel computes and then discards.
-    """
-    cols = slot.shape[0]
-    step_size = np.empty(cols, np.float32)
-    bc2_sqrt = np.empty(cols, np.float32)
-    update = np.empty(cols, np.bool_)
-    umask = np.empty(cols, np.uint32)
-    prev = np.int64(-(1 << 40))
-    ss = np.float32(0.0)
-    b2 = np.float32(0.0)
-    for j in range(cols):
-        update[j] = slot[j] < 0
-        umask[j] = np.uint32(0xFFFFFFFF) if update[j] else np.uint32(0)
-        s = np.int64(col_step[j])
-        if s != prev:
-            prev = s
-            sf = np.float64(s)
-            ss = np.float32(lr / (1.0 - beta1**sf))
-            b2 = np.float32(math.sqrt(1.0 - beta2**sf))
-        step_size[j] = ss
-        bc2_sqrt[j] = b2
-    starts = np.empty(cols // 2 + 2 + cols // chunk, np.int64)
-    stops = np.empty_like(starts)
-    mixed = np.empty(starts.shape[0], np.bool_)
-    nrun = 0
-    j = 0
-    while j < cols:
-        while j < cols and not update[j]:
-            j += 1
-        if j == cols:
-            break
-        start = j
-        last = j
-        nsel = 0
-        nsel_at_last = 0
-        while j < cols and j - start < chunk:
-            if update[j]:
-                last = j
-                nsel_at_last = nsel
-            else:
-                nsel += 1
-                if j - last >= min_skip:
-                    break
-            j += 1
-        starts[nrun] = start
-        stops[nrun] = last + 1
-        mixed[nrun] = nsel_at_last > 0
-        nrun += 1
-        j = last + 1
-    visited = int(np.sum(stops[:nrun] - starts[:nrun]))
-    return step_size, bc2_sqrt, umask, starts[:nrun], stops[:nrun], mixed[:nrun], visited
-
-
-# --- the kernel -----------------------------------------------------------------------------------------------------
-# The run functions are separate functions with unsigned indices because LLVM then vectorizes them: numba wraps
-# negative signed indices (the address becomes a select LLVM cannot bound: "cannot identify array bounds"), and
-# loop values that live on after a loop inside a bigger function block the vectorizer ("value ... used outside the
-# loop"). Both checked with -pass-remarks-analysis=loop-vectorize; the kernel's loops compile to 8-lane AVX2.
+# Columns are cut into chunks of _CHUNK_COLS; runs never cross a chunk boundary, so chunks are planned
+# independently (in parallel for very wide matrices: with R = 1 the plan touches as many columns as the kernel).
 
 
 @register_jitable(error_model="numpy")
-def _adamw_elem(p, m, v, g, ss, bc2, decay, l2, coupled, w, base_is_m, b2, omb2, eps):
-    """One element of torch.optim.AdamW, with torch's CPU rounding (fma where torch's kernels use one)."""
+def _bias(step, lr, beta1, beta2):
+    """(lr / (1 - beta1^step), 1 / sqrt(1 - beta2^step)), each computed in float64 and rounded once to float32
+    (torch rounds its step size the same way; it divides by sqrt(1 - beta2^step) where this kernel multiplies)."""
+    s = np.float64(step)
+    return np.float32(lr / (1.0 - beta1**s)), np.float32(1.0 / math.sqrt(1.0 - beta2**s))
+
+
+# Each loop of the plan is its own small function, so that LLVM vectorizes it (see the run functions below).
+
+
+@register_jitable
+def _scan_steps(slot, col_step, a, b, s0):
+    """(updated columns whose step count is not ``s0``, selected columns) in ``[a, b)``, branch-free."""
+    differ = 0
+    nsel = 0
+    for j in range(a, b):
+        upd = np.int64(slot[j] < 0)
+        differ += upd & np.int64(col_step[j] != s0)
+        nsel += 1 - upd
+    return differ, nsel
+
+
+@register_jitable
+def _count_updated(slot, a, b):
+    n = 0
+    for j in range(a, b):
+        n += np.int64(slot[j] < 0)
+    return n
+
+
+@register_jitable(error_model="numpy")
+def _plan_chunk(slot, col_step, a, b, lr, beta1, beta2, block, step_size, inv_bc2, starts, stops, mixed, k0):
+    """Plan columns ``[a, b)``: runs of ``block``-column blocks to visit, written from index ``k0``.
+
+    A block whose columns are all selected is skipped; a run is a maximal sequence of other blocks, "mixed" when
+    any of its columns is selected (the kernel computes those and discards them). The updated columns are
+    "uniform" when they share one step count; only a non-uniform chunk writes the per-column step size and bias
+    correction (the kernel reads per-run scalars otherwise).
+
+    Returns (runs, uniform, step size, 1 / sqrt(bias correction 2) of the first updated column).
+    """
+    a = np.uint64(a)  # unsigned indices: no negative-index wrapping, so the loops below vectorize
+    b = np.uint64(b)
+    f = a
+    while f < b and slot[f] >= 0:
+        f += np.uint64(1)
+    if f == b:
+        return 0, True, np.float32(0.0), np.float32(0.0)
+    s0 = col_step[f]
+    differ, nsel = _scan_steps(slot, col_step, f, b, s0)
+    uniform = differ == 0
+    ss0, ib0 = _bias(s0, lr, beta1, beta2)
+    if not uniform:
+        prev = s0
+        ss, ib = ss0, ib0
+        for j in range(a, b):
+            s = col_step[j]
+            if s != prev:  # neighbouring columns mostly share a count: one pow per change, not per column
+                prev = s
+                ss, ib = _bias(s, lr, beta1, beta2)
+            step_size[j] = ss
+            inv_bc2[j] = ib
+    n = 0
+    open_run = False
+    for lo in range(a, b, np.uint64(block)):
+        hi = min(lo + np.uint64(block), b)
+        nupd = _count_updated(slot, lo, hi)
+        if nupd == 0:
+            if open_run:
+                stops[k0 + n] = lo
+                n += 1
+                open_run = False
+            continue
+        if not open_run:
+            starts[k0 + n] = lo
+            mixed[k0 + n] = False
+            open_run = True
+        if nupd < np.int64(hi - lo):
+            mixed[k0 + n] = True
+    if open_run:
+        stops[k0 + n] = b
+        n += 1
+    return n, uniform, ss0, ib0
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def _plan(slot, col_step, lr, beta1, beta2, chunk, block):
+    """Per-column constants and the runs of columns to visit, chunk by chunk.
+
+    Returns the per-column step size and 1 / sqrt(bias correction 2) (written only for non-uniform chunks, see
+    ``_plan_chunk``), the runs (start, stop, mixed, uniform, and the step size and bias correction of a
+    uniform run) and the number of columns the runs cover. Run it on one thread unless there are many chunks.
+    """
+    cols = slot.shape[0]
+    nchunk = (cols + chunk - 1) // chunk
+    cap = (chunk + block - 1) // block // 2 + 1  # most runs a chunk can hold: blocks alternate visit / skip
+    # np.empty: pages are touched only where written (a wide uniform matrix writes no per-column array).
+    step_size = np.empty(cols, np.float32)
+    inv_bc2 = np.empty(cols, np.float32)
+    c_starts = np.empty(nchunk * cap, np.int64)
+    c_stops = np.empty(nchunk * cap, np.int64)
+    c_mixed = np.empty(nchunk * cap, np.bool_)
+    counts = np.empty(nchunk, np.int64)
+    c_uniform = np.empty(nchunk, np.bool_)
+    c_ss = np.empty(nchunk, np.float32)
+    c_ib = np.empty(nchunk, np.float32)
+    for c in prange(nchunk):
+        a = c * chunk
+        counts[c], c_uniform[c], c_ss[c], c_ib[c] = _plan_chunk(
+            slot, col_step, a, min(a + chunk, cols), lr, beta1, beta2, block, step_size, inv_bc2, c_starts, c_stops,
+            c_mixed, c * cap)
+    total = counts.sum()
+    starts = np.empty(total, np.int64)
+    stops = np.empty(total, np.int64)
+    mixed = np.empty(total, np.bool_)
+    uniform = np.empty(total, np.bool_)
+    run_ss = np.empty(total, np.float32)
+    run_ib = np.empty(total, np.float32)
+    k = 0
+    visited = 0
+    for c in range(nchunk):
+        for q in range(c * cap, c * cap + counts[c]):
+            starts[k] = c_starts[q]
+            stops[k] = c_stops[q]
+            mixed[k] = c_mixed[q]
+            uniform[k] = c_uniform[c]
+            run_ss[k] = c_ss[c]
+            run_ib[k] = c_ib[c]
+            visited += c_stops[q] - c_starts[q]
+            k += 1
+    return step_size, inv_bc2, starts, stops, mixed, uniform, run_ss, run_ib, visited
+
+
+# --- the kernel -----------------------------------------------------------------------------------------------------
+@register_jitable(error_model="numpy")
+def _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2):
+    """Decay and moments of one element, with torch's CPU rounding (fma where torch's kernels use one)."""
     p = p * decay  # decoupled decay; decay == 1 (exact) for Adam-L2 or weight_decay == 0
     g = _fma(l2, p, g) if coupled else g  # g.add(p, alpha=wd)
     # lerp_: torch computes fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g), w - 1 folded into ``w``.
     m = _fma(w, g - m, m if base_is_m else g)
     v = _fma(omb2 * g, g, v * b2)  # mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = math.sqrt(v) / bc2 + eps
-    p = p - (ss * m) / denom  # addcdiv_(m, denom, value=-step_size)
     return p, m, v
+
+
+@register_jitable(error_model="numpy")
+def _adamw_elem(p, m, v, g, ss, bc2, decay, l2, coupled, w, base_is_m, b2, omb2, eps):
+    """One element of torch.optim.AdamW with torch's denominator ``sqrt(v) / bc2 + eps`` (``bc2`` is
+    sqrt(1 - beta2^step)). Not used here any more; kept for kernels/cpu_fused_step.py, which imports it."""
+    p, m, v = _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
+    denom = math.sqrt(v) / bc2 + eps
+    return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
+
+
+@register_jitable(error_model="numpy")
+def _adamw_step(p, m, v, g, ss, inv_bc2, hp):
+    """One element of this kernel's AdamW: ``g`` is the raw gradient sum, ``hp`` the tuple of ``_hyperparams``,
+    and the denominator is ``fma(sqrt(v), 1 / bc2, eps)`` (module docstring)."""
+    scale, count, divide, decay, l2, coupled, w, base_is_m, b2, omb2, eps, _ = hp
+    g = g * scale  # 1 / count where that is exact (count a power of two), else 1
+    g = g / count if divide else g  # other counts: divide, as torch does
+    p, m, v = _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
+    denom = _fma(math.sqrt(v), inv_bc2, eps)  # torch: sqrt(v) / bc2 + eps
+    return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
 
 
 @register_jitable
 def _blend(new, old, mask):
     """``new`` where ``mask`` is all ones, else ``old``, bit for bit.
 
-    Integer and/or rather than a select: LLVM turns ``a[i] = new if m else a[i]`` into a masked store
-    (``vmaskmovps``), which is microcoded on AMD Zen; with the mask loaded from memory it cannot prove the
-    and/or is a select and emits plain blends (mixed runs: 1.11 -> 0.9x ns/element in cache, 1 thread).
+    Integer and/or rather than a select: LLVM turns ``a[i] = new if keep else a[i]`` into a masked store
+    (``vmaskmovps``), which is slow on AMD Zen. A minimal AdamW loop, 16K elements in L2, one thread: 0.40
+    ns/element updating every column, 0.77 with the masked store, 0.58 with and/or on a mask LLVM cannot prove to
+    be all-ones-or-zero (see ``_run_mixed``).
     """
     return _bits_f32(_U32(_U32(_f32_bits(new) & mask) | _U32(_f32_bits(old) & _U32(~mask))))
+
+
+def _col(src, j):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_col)
+def _col_impl(src, j):
+    """A per-column value: ``src[j]`` for an array, ``src`` itself for a scalar (a uniform run)."""
+    if isinstance(src, types.Array):
+        return lambda src, j: src[j]
+    return lambda src, j: src
 
 
 @register_jitable
@@ -386,20 +503,26 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
             _prefetch(grad, k + np.uint64(line * _LINE_F32))
 
 
+# The run functions are separate functions with unsigned indices because LLVM then vectorizes them: numba wraps
+# negative signed indices (the address becomes a select LLVM cannot bound: "cannot identify array bounds"), and
+# loop values that live on after a loop inside a bigger function block the vectorizer ("value ... used outside the
+# loop"). Both checked with -pass-remarks-analysis=loop-vectorize; the loops compile to 8-lane AVX2.
+
+
 @register_jitable(error_model="numpy")
-def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_size, bc2_sqrt, count, divide, decay,
-               l2, coupled, w, base_is_m, b2, omb2, eps):
-    """Columns ``[a, b)`` of the row starting at flat offset ``base``, all updated; in prefetched blocks."""
+def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_size, inv_bc2, hp):
+    """Columns ``[a, b)`` of the row at flat offset ``base``, all updated, in prefetched blocks.
+
+    ``step_size``/``inv_bc2`` are per-column arrays, or two scalars when the run is uniform (``_col``).
+    """
     j0 = a
     while j0 < b:
         _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
         j1 = min(j0 + _BLOCK_U, b)
         for j in range(j0, j1):
             i = base + j
-            g = _load_grad(grad, i)
-            g = g / count if divide else g
-            p, m, v = _adamw_elem(master[i], exp_avg[i], exp_avg_sq[i], g, step_size[j], bc2_sqrt[j], decay, l2,
-                                  coupled, w, base_is_m, b2, omb2, eps)
+            p, m, v = _adamw_step(master[i], exp_avg[i], exp_avg_sq[i], _load_grad(grad, i), _col(step_size, j),
+                                  _col(inv_bc2, j), hp)
             master[i] = p
             exp_avg[i] = m
             exp_avg_sq[i] = v
@@ -408,23 +531,21 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_siz
 
 
 @register_jitable(error_model="numpy")
-def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, umask, step_size, bc2_sqrt, count, divide,
-               decay, l2, coupled, w, base_is_m, b2, omb2, eps):
-    """Like ``_run_dense``, but only columns with ``umask[j] != 0`` change; the rest are computed and discarded."""
+def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step_size, inv_bc2, hp):
+    """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
     j0 = a
     while j0 < b:
         _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
         j1 = min(j0 + _BLOCK_U, b)
         for j in range(j0, j1):
             i = base + j
-            g = _load_grad(grad, i)
-            g = g / count if divide else g
             p0 = master[i]
             m0 = exp_avg[i]
             v0 = exp_avg_sq[i]
-            p, m, v = _adamw_elem(p0, m0, v0, g, step_size[j], bc2_sqrt[j], decay, l2, coupled, w, base_is_m, b2,
-                                  omb2, eps)
-            mask = umask[j]
+            p, m, v = _adamw_step(p0, m0, v0, _load_grad(grad, i), _col(step_size, j), _col(inv_bc2, j), hp)
+            # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
+            # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
+            mask = _U32(_U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
             master[i] = _blend(p, p0, mask)
             exp_avg[i] = _blend(m, m0, mask)
             exp_avg_sq[i] = _blend(v, v0, mask)
@@ -433,26 +554,27 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, umask, s
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def _host_adamw_kernel(
-    master, exp_avg, exp_avg_sq, grad, snapshot, cols, umask, step_size, bc2_sqrt, starts, stops, mixed,
-    count, decay, l2, coupled, w, base_is_m, b2, omb2, eps,
-):
-    """Flat row-major buffers; one work item is one run of one row."""
+def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, step_size, inv_bc2, starts, stops,
+                       mixed, uniform, run_ss, run_ib, hp):
+    """Flat row-major buffers; one work item is one run of one row (rows outer: each thread streams through
+    a contiguous range of rows under numba's static schedule)."""
     nrun = starts.shape[0]
     rows = master.shape[0] // cols
-    divide = count != np.float32(1.0)  # x / 1 == x, so count == 1 skips the division
     for item in prange(rows * nrun):
         r = item // nrun
         k = item - r * nrun
         base = np.uint64(r * cols)
         a = np.uint64(starts[k])
         b = np.uint64(stops[k])
-        if mixed[k]:
-            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, umask, step_size, bc2_sqrt, count,
-                       divide, decay, l2, coupled, w, base_is_m, b2, omb2, eps)
+        # Three loop variants; _col dispatches on the argument type. A run whose columns have several step counts
+        # takes the general (mixed, per-column) loop even without selected columns: rarer, and one variant fewer
+        # to compile (each costs ~1 s per dtype combination).
+        if not uniform[k]:
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step_size, inv_bc2, hp)
+        elif mixed[k]:
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, run_ss[k], run_ib[k], hp)
         else:
-            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_size, bc2_sqrt, count, divide,
-                       decay, l2, coupled, w, base_is_m, b2, omb2, eps)
+            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, run_ss[k], run_ib[k], hp)
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------------
@@ -465,6 +587,23 @@ def _flat_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.float16:
         return t.view(torch.int16).numpy().reshape(-1)
     return t.numpy().reshape(-1)  # contiguous (checked), so numpy's reshape is a view
+
+
+def _hyperparams(count: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 decoupled: bool) -> tuple:
+    """The kernel's scalar arguments, rounded to float32 exactly where torch rounds them (a Python scalar meeting
+    an fp32 tensor): (scale, count, divide, decay, l2, coupled, w, base_is_m, beta2, 1 - beta2, eps, ones)."""
+    pow2 = (count & (count - 1)) == 0  # 1 / count is exact: multiply instead of divide (same result, no divider)
+    scale = np.float32(1.0 / count) if pow2 else np.float32(1.0)
+    w = np.float32(1.0 - beta1)
+    base_is_m = bool(abs(w) < 0.5)  # torch's lerp switches formula at weight 0.5
+    if not base_is_m:
+        w = np.float32(w - np.float32(1.0))
+    wd = float(weight_decay)
+    coupled = bool(not decoupled and wd != 0.0)
+    decay = np.float32(1.0 - lr * wd) if decoupled and wd != 0.0 else np.float32(1.0)
+    return (scale, np.float32(count), not pow2, decay, np.float32(wd), coupled, w, base_is_m, np.float32(beta2),
+            np.float32(1.0 - beta2), np.float32(eps), np.uint32(0xFFFFFFFF))
 
 
 def _check_num_threads(num_threads: int | None) -> None:
@@ -503,7 +642,7 @@ def host_adamw_(
     (pinned or not); nothing is copied. Results do not depend on the thread count.
 
     ``num_threads``: at most this many numba threads for this call (default: the calling thread's numba setting;
-    jobs under ~32K elements run on one thread). Numba's setting belongs to the calling thread and is restored
+    jobs under 16K elements run on one thread). Numba's setting belongs to the calling thread and is restored
     on return. The kernel releases the GIL, but call it from one thread at a time (numba's thread pools are not
     made for concurrent parallel launches).
     """
@@ -513,34 +652,27 @@ def host_adamw_(
     _check_num_threads(num_threads)
     if rows == 0 or cols == 0:
         return
-    step_size, bc2_sqrt, umask, starts, stops, mixed, visited = _plan(
-        slot.numpy(), col_step.numpy(), float(lr), float(beta1), float(beta2), _CHUNK_COLS, _MIN_SKIP_COLS)
-    if visited == 0:
-        return
-    # Scalars are rounded to float32 exactly where torch rounds them (a Python scalar meets an fp32 tensor).
-    w = np.float32(1.0 - beta1)
-    base_is_m = bool(abs(w) < 0.5)  # torch's lerp switches formula at weight 0.5
-    if not base_is_m:
-        w = np.float32(w - np.float32(1.0))
-    wd = float(weight_decay)
-    coupled = bool(not decoupled and wd != 0.0)
-    decay = np.float32(1.0 - lr * wd) if decoupled and wd != 0.0 else np.float32(1.0)
-    snap = None if snapshot is None else _flat_view(snapshot)
-    args = (
-        _flat_view(master), _flat_view(exp_avg), _flat_view(exp_avg_sq), _flat_view(grad), snap, cols, umask,
-        step_size, bc2_sqrt, starts, stops, mixed, np.float32(count), decay, np.float32(wd), coupled, w, base_is_m,
-        np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps),
-    )
     previous = numba.get_num_threads()
-    threads = 1 if rows * visited < _MIN_PARALLEL_ELEMS else (previous if num_threads is None else num_threads)
-    if threads == previous:
-        _host_adamw_kernel(*args)
-        return
-    numba.set_num_threads(threads)
+    threads = previous if num_threads is None else num_threads
     try:
-        _host_adamw_kernel(*args)
+        plan_threads = threads if cols >= _PARALLEL_PLAN_CHUNKS * _CHUNK_COLS else 1
+        if plan_threads != previous:
+            numba.set_num_threads(plan_threads)
+        slot_np = slot.numpy()
+        plan = _plan(slot_np, col_step.numpy(), float(lr), float(beta1), float(beta2), _CHUNK_COLS, _SKIP_BLOCK)
+        visited = plan[-1]
+        if visited == 0:
+            return
+        kernel_threads = 1 if rows * visited < _MIN_PARALLEL_ELEMS else threads
+        if kernel_threads != numba.get_num_threads():
+            numba.set_num_threads(kernel_threads)
+        snap = None if snapshot is None else _flat_view(snapshot)
+        _host_adamw_kernel(_flat_view(master), _flat_view(exp_avg), _flat_view(exp_avg_sq), _flat_view(grad), snap,
+                           cols, slot_np, *plan[:-1],
+                           _hyperparams(count, lr, beta1, beta2, eps, weight_decay, decoupled))
     finally:
-        numba.set_num_threads(previous)
+        if numba.get_num_threads() != previous:
+            numba.set_num_threads(previous)
 
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)

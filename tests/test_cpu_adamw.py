@@ -1,9 +1,10 @@
 """The numba host AdamW against the plain-torch reference, and the reference chain up to torch.optim.AdamW.
 
-The kernel rounds like torch's CPU kernels (fma in lerp_/addcmul_/add(alpha=), ``addcdiv_``'s operand order) but
-takes IEEE ``sqrt``, while torch's AVX2 ``Tensor.sqrt`` is off by one ulp for ~16% of inputs (max error 0.75
-ulp, measured on torch 2.13); the reference also orders ``(m / denom) * step_size`` where ``addcdiv_`` computes
-``(step_size * m) / denom``. So masters agree to an ulp or two, not bit for bit, and comparisons use tolerances.
+The kernel rounds like torch's CPU kernels in the moments (fma in lerp_/addcmul_/add(alpha=)), so exp_avg and
+exp_avg_sq match torch bit for bit, but its denominator is ``fma(sqrt(v), 1 / bc2, eps)`` with IEEE ``sqrt``
+(torch: ``sqrt(v) / bc2 + eps`` with an AVX2 sqrt that is an ulp off for ~16% of inputs), and the reference
+orders ``(m / denom) * step_size`` where ``addcdiv_`` computes ``(step_size * m) / denom``. Masters therefore
+agree to an ulp or two of the step, not bit for bit, and comparisons use tolerances.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from zenflow_triton.kernels.cpu_adamw import _bf16_bits_array, _f16_bits_array, 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 # (dtype, atol, rtol) per compared tensor. The two implementations differ only in how the step rounds (sqrt,
-# operand order: an ulp or two of the master); with L2 decay (g += wd * p) over several calls that ulp of p can flip
-# an ulp of g, which reaches exp_avg as (1 - beta1) * ulp(|g| <= 4) ~ 5e-8 and exp_avg_sq as ~1e-9.
+# denominator, operand order: an ulp or two of the master); with L2 decay (g += wd * p) over several calls that
+# ulp of p can flip an ulp of g, which reaches exp_avg as (1 - beta1) * ulp(|g| <= 4) ~ 5e-8, exp_avg_sq as ~1e-9.
 # rtol 1e-6 is ~8 fp32 ulp. A wrong formula (bias correction, beta, decay) misses these by orders of magnitude.
 # bf16/fp16 snapshots against the reference's: one ulp of the format, as the fp32 masters may straddle a rounding
 # boundary (relative ulp up to 2^-7 for bf16's 8-bit significand, 2^-10 for fp16's 11), fp16's subnormal step as
@@ -60,8 +61,8 @@ def make_slot(cols: int, pattern: str, gen: torch.Generator) -> torch.Tensor:
     elif pattern == "random":
         sel = torch.rand(cols, generator=gen) < 0.3
     elif pattern == "runs":
-        # Selected runs short enough to be computed-and-discarded and long enough to be skipped (>= 64),
-        # separated by updated runs of 1 to 100 columns; long shapes cross the 4096-column work-item cut.
+        # Selected runs short enough to be computed and discarded, and long enough to cover whole 64-column skip
+        # blocks (70, 130), between updated runs of 1 to 100 columns; long shapes cross the 4096-column chunks.
         sel = torch.zeros(cols, dtype=torch.bool)
         j, lengths, gaps = 0, [1, 3, 70, 5, 130, 2, 64], [2, 40, 1, 100, 7]
         for i in range(cols):
@@ -104,7 +105,7 @@ def test_matches_reference(shape, pattern, grad_dtype, snap_dtype) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{pattern}".encode()))
     slot = make_slot(cols, pattern, gen)
     unsel = slot < 0
-    col_step = torch.randint(1, 30, (cols,), dtype=torch.int32, generator=gen)
+    col_step = torch.full((cols,), 4, dtype=torch.int32)  # one count for all: the kernel's scalar ("uniform") path
     ours = make_state(rows, cols, gen)
     ref = [t.clone() for t in ours]
     snap_ours = None if snap_dtype is None else torch.randn(rows, cols, generator=gen).to(snap_dtype)
@@ -112,6 +113,8 @@ def test_matches_reference(shape, pattern, grad_dtype, snap_dtype) -> None:
     # Consecutive calls, as the optimizer makes them: col_step moves on for the updated columns, count varies,
     # and Adam-L2 (decoupled=False) alternates with AdamW.
     for call, (count, decoupled) in enumerate([(1, True), (3, False), (4, True)]):
+        if call == 1:  # from here on, counts differ per column (columns that came back from the device)
+            col_step += torch.randint(0, 30, (cols,), dtype=torch.int32, generator=gen)
         col_step[unsel] += 1
         grad = torch.randn(rows, cols, generator=gen).mul_(count).to(grad_dtype)
         before = [t.clone() for t in ours] + ([] if snap_ours is None else [snap_ours.clone()])
@@ -155,6 +158,53 @@ def test_hyperparameter_corners(hp, decoupled) -> None:
     host_adamw_(*ours, grad, **kw)
     for name, a, e in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
         assert_close(a, e, name, lr=hp["lr"])
+
+
+@pytest.mark.parametrize("chunk,block", [(16, 4), (64, 16), (256, 256)])
+@pytest.mark.parametrize("shape", [(3, 1000), (1, 5003)], ids=["3x1000", "1x5003"])
+def test_small_chunks_and_blocks(monkeypatch, shape, chunk, block) -> None:
+    """Tiny work items and skip blocks (module constants, read per call): many chunks, so the plan runs in
+    parallel, runs end at chunk edges and whole selected blocks are skipped, with step counts varying."""
+    monkeypatch.setattr(cpu_adamw, "_CHUNK_COLS", chunk)
+    monkeypatch.setattr(cpu_adamw, "_SKIP_BLOCK", block)
+    monkeypatch.setattr(cpu_adamw, "_PARALLEL_PLAN_CHUNKS", 2)
+    rows, cols = shape
+    gen = torch.Generator().manual_seed(chunk + block + cols)
+    slot = make_slot(cols, "runs", gen)
+    slot[torch.rand(cols, generator=gen) < 0.05] = 0
+    col_step = torch.full((cols,), 7, dtype=torch.int32)
+    col_step[cols // 2:] += torch.randint(0, 3, (cols - cols // 2,), dtype=torch.int32, generator=gen)
+    ours = make_state(rows, cols, gen)
+    ref = [t.clone() for t in ours]
+    snap_ours = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    snap_ref = snap_ours.clone()
+    grad = torch.randn(rows, cols, generator=gen)
+    kw = dict(count=2, slot=slot, col_step=col_step, **HP)
+    reference.host_adamw_(*ref, grad, snapshot=snap_ref, **kw)
+    host_adamw_(*ours, grad, snapshot=snap_ours, **kw)
+    for name, a, e in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
+        assert_close(a, e, name)
+    sel = slot >= 0
+    assert torch.equal(_bits(snap_ours)[:, sel], torch.zeros_like(_bits(snap_ours)[:, sel]))
+    assert torch.equal(_bits(snap_ours)[:, ~sel], _bits(ours[0].to(torch.bfloat16))[:, ~sel])
+
+
+def test_plan_runs() -> None:
+    """Runs skip whole selected blocks, stop at chunk edges, and are mixed exactly when they hold a selected column."""
+    slot = np.full(40, -1, np.int32)
+    slot[0:4] = 0  # block 0 all selected: skipped
+    slot[9] = 1  # block 2 partly selected: mixed
+    slot[24:32] = 2  # blocks 6 and 7 all selected: skipped
+    col_step = np.full(40, 3, np.int32)
+    col_step[33] = 4  # the last chunk is not uniform
+    plan = cpu_adamw._plan(slot, col_step, 1e-3, 0.9, 0.999, 16, 4)
+    _, _, starts, stops, mixed, uniform, run_ss, run_ib, visited = plan
+    assert list(zip(starts, stops, mixed, uniform)) == [
+        (4, 16, True, True), (16, 24, False, True), (32, 40, False, False)]
+    assert visited == 12 + 8 + 8
+    ss, ib = np.float32(1e-3 / (1 - 0.9**3)), np.float32(1 / (1 - 0.999**3) ** 0.5)
+    assert run_ss[0] == ss and run_ib[0] == ib
+    assert plan[0][33] == np.float32(1e-3 / (1 - 0.9**4)) and plan[0][32] == ss
 
 
 @pytest.mark.parametrize("shape", [(64, 5000), (1, 20000)], ids=["64x5000", "1x20000"])
