@@ -1,0 +1,147 @@
+"""Device kernels on a GPU, [8192, 8192]: the fused step and the merge against a device-to-device copy of the same
+bytes (the bandwidth ceiling) and against ``torch.optim.AdamW(fused=True)`` on a same-size parameter.
+
+GPU only: every test is marked ``gpu`` and skipped cleanly without CUDA. Run:
+``python -m pytest bench/bench_device_kernels.py -p no:cacheprovider -o python_files='bench_*.py'``.
+``benchmark.extra_info`` holds ``bytes`` (what the op actually moves), ``GB/s``, ``params/s``, ``copy_GB/s`` (a
+``copy_`` of the same byte count, timed in the same test) and ``ratio_to_copy`` (1.0 = as fast as a copy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from common import make_slot
+
+pytestmark = pytest.mark.gpu
+
+ROWS = COLS = 8192
+RATIOS = [0.05, 0.1, 0.25]  # selected fraction r; 0.1 is the library's default
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROUNDS, WARMUP = 30, 3
+HP = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _fused_step_bytes(rows: int, cols: int, k: int, elem: int) -> int:
+    """Bytes a steady-state fused step (accumulate=True, scores on) moves."""
+    n, sel = rows * cols, rows * k
+    grad = n * elem  # read once, every column
+    acc = (n - sel) * 4 * 2  # unselected columns: read + write fp32
+    param = sel * elem  # selected columns: write only (the master is the source)
+    state = sel * 3 * 4 * 2  # compact master, exp_avg, exp_avg_sq: read + write fp32
+    per_column = cols * (4 + 4 * 2) + k * 4  # slot, score read + write, col_step of selected columns
+    return grad + acc + param + state + per_column
+
+
+def _merge_bytes(rows: int, cols: int, k: int, elem: int) -> int:
+    return rows * (cols - k) * elem * 2 + cols * 4  # snapshot read + param write on unselected columns, slot
+
+
+def _adamw_bytes(numel: int, elem: int) -> int:
+    return numel * elem * 7  # param r/w, grad r, exp_avg r/w, exp_avg_sq r/w (state in the param's dtype)
+
+
+def _timed(fn):
+    """The timed function: the launch plus a synchronize, so the benchmark measures the kernel, not the enqueue."""
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+@functools.cache
+def _copy_seconds(nbytes: int) -> float:
+    """Median seconds of a device-to-device copy moving ``nbytes`` in total (half read, half written)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(WARMUP):
+        dst.copy_(src)
+    times = []
+    for _ in range(ROUNDS):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _record(benchmark, nbytes: int, numel: int) -> None:
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable: nothing was timed
+        return
+    seconds = stats.stats.median
+    copy_s = _copy_seconds(nbytes)
+    benchmark.extra_info.update({
+        "bytes": nbytes,
+        "GB/s": nbytes / seconds / 1e9,
+        "params/s": numel / seconds,
+        "copy_GB/s": nbytes / copy_s / 1e9,
+        "ratio_to_copy": copy_s / seconds,
+    })
+
+
+@pytest.mark.benchmark(group="fused_step")
+@pytest.mark.parametrize("r", RATIOS, ids=lambda r: f"r{r}")
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_fused_step(benchmark, dtype, r):
+    from zenflow_triton.kernels.fused_step import fused_step_
+
+    torch.manual_seed(0)
+    dt = DTYPES[dtype]
+    slot = make_slot(COLS, r).cuda()
+    k = int((slot >= 0).sum())
+    dev = "cuda"
+    param = torch.randn(ROWS, COLS, device=dev).mul_(0.02).to(dt)
+    grad = torch.randn(ROWS, COLS, device=dev).mul_(1e-3).to(dt)
+    state = dict(
+        score=torch.zeros(COLS, device=dev), slot=slot, col_step=torch.full((COLS,), 10, dtype=torch.int32, device=dev),
+        master=torch.randn(ROWS, k, device=dev).mul_(0.02), exp_avg=torch.randn(ROWS, k, device=dev).mul_(1e-3),
+        exp_avg_sq=torch.rand(ROWS, k, device=dev).mul_(1e-6), acc=torch.zeros(ROWS, COLS, device=dev),
+    )
+    fn = _timed(lambda: fused_step_(param, grad, **state, **HP, accumulate=True))
+    benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record(benchmark, _fused_step_bytes(ROWS, COLS, k, param.element_size()), ROWS * COLS)
+
+
+@pytest.mark.benchmark(group="merge")
+@pytest.mark.parametrize("r", RATIOS, ids=lambda r: f"r{r}")
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_merge(benchmark, dtype, r):
+    from zenflow_triton.kernels.merge import merge_
+
+    dt = DTYPES[dtype]
+    slot = make_slot(COLS, r).cuda()
+    k = int((slot >= 0).sum())
+    param = torch.randn(ROWS, COLS, device="cuda").to(dt)
+    snapshot = torch.randn(ROWS, COLS, device="cuda").to(dt)
+    benchmark.pedantic(_timed(lambda: merge_(param, snapshot, slot)), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record(benchmark, _merge_bytes(ROWS, COLS, k, param.element_size()), ROWS * (COLS - k))
+
+
+@pytest.mark.benchmark(group="baselines")
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_torch_adamw_fused(benchmark, dtype):
+    """What one step costs when the whole [8192, 8192] parameter and its state live on the device."""
+    dt = DTYPES[dtype]
+    p = torch.nn.Parameter(torch.randn(ROWS, COLS, device="cuda").mul_(0.02).to(dt))
+    p.grad = torch.randn(ROWS, COLS, device="cuda").mul_(1e-3).to(dt)
+    opt = torch.optim.AdamW([p], **{k: v for k, v in HP.items() if k not in ("beta1", "beta2")},
+                            betas=(HP["beta1"], HP["beta2"]), fused=True)
+    benchmark.pedantic(_timed(opt.step), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record(benchmark, _adamw_bytes(p.numel(), p.element_size()), p.numel())
+
+
+@pytest.mark.benchmark(group="baselines")
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_copy(benchmark, dtype):
+    """The ceiling: a device-to-device copy of one [8192, 8192] tensor."""
+    src = torch.randn(ROWS, COLS, device="cuda").to(DTYPES[dtype])
+    dst = torch.empty_like(src)
+    benchmark.pedantic(_timed(lambda: dst.copy_(src)), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record(benchmark, 2 * src.numel() * src.element_size(), src.numel())

@@ -1,0 +1,64 @@
+"""Host AdamW on a 64M-parameter matrix, 2 threads, one process: ``host_adamw_`` against torch and the ceiling.
+
+Run: ``python -m pytest bench/bench_host_adamw.py -p no:cacheprovider -o python_files='bench_*.py'``
+(smoke, as CI runs it: ``ZENFLOW_BENCH_SMOKE=1 ... --benchmark-disable``).
+
+Providers (bench/common.py builds them; each test builds only its own buffers): the memory-bandwidth ceiling
+(same 28 bytes/param, trivial math), ``torch.optim.AdamW(fused=True)``, the same followed by a separate
+fp32 -> bf16 copy of the weights, DeepSpeed's ``DeepSpeedCPUAdam`` (skipped when deepspeed does not import), and
+``host_adamw_`` with fp32 grad, or bf16 grad in and bf16 snapshot out, at 0%, 10% and 50% of columns selected.
+``extra_info``: ``params/s`` (every parameter of the matrix), ``GB/s`` (bytes the provider must move),
+``vs_ceiling`` and ``vs_torch`` (seconds per step of the reference provider / this one, so > 1 is faster; torch
+is ``torch fused`` for fp32 and ``torch fused + bf16 copy`` for bf16), from medians of this run: the references
+run first. Rounds here are per provider, back to back; bench/report_host.py interleaves them, which is more robust
+on a shared machine, and prints the table the README quotes.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from common import SMOKE, bench_numel, bench_rounds, bench_threads, deepspeed_cpu_adam, make_providers
+
+# References first: the ratios of the later tests read their medians.
+PROVIDERS = [
+    "ceiling",
+    "torch fused",
+    "torch fused + bf16 copy",
+    "deepspeed",
+    "host_adamw fp32 0%",
+    "host_adamw fp32 10%",
+    "host_adamw fp32 50%",
+    "host_adamw bf16 0%",
+    "host_adamw bf16 10%",
+    "host_adamw bf16 50%",
+]
+_MEDIANS: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("name", PROVIDERS)
+def test_host_adamw_providers(benchmark, name: str) -> None:
+    if name == "deepspeed" and deepspeed_cpu_adam() is None:
+        pytest.skip("deepspeed is not installed (or its CPUAdam op does not build)")
+    provider = make_providers(bench_numel(), threads=bench_threads(), names=(name,))[name]
+    benchmark.group = "host adamw"
+    benchmark.pedantic(provider.step, rounds=bench_rounds(), warmup_rounds=0 if SMOKE else 1, iterations=1)
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable: the step ran once, untimed
+        return
+    seconds = stats.stats.median
+    _MEDIANS[name] = seconds
+    info = {
+        "numel": provider.numel,
+        "updated_fraction": provider.updated_fraction,
+        "params/s": provider.numel / seconds,
+        "GB/s": provider.numel * provider.bytes_per_param / seconds / 1e9,
+    }
+    torch_ref = "torch fused" if provider.group == "fp32" else "torch fused + bf16 copy"
+    for key, ref in (("vs_ceiling", "ceiling"), ("vs_torch", torch_ref)):
+        if ref in _MEDIANS:
+            info[key] = _MEDIANS[ref] / seconds
+    benchmark.extra_info.update(info)
+    del provider
+    gc.collect()  # the next provider's gigabytes should not sit next to these

@@ -1,0 +1,573 @@
+"""The one-shot GPU suite: GPU tests, device-kernel benches and an end-to-end fine-tuning step comparison.
+
+Run on a machine with one CUDA GPU (sized for an H200, under 8 minutes; ``--quick`` for about half)::
+
+    python bench/gpu_suite.py OUTDIR [--quick]
+
+and on any machine, to check the script's logic with a tiny decoder on CPU (a few seconds)::
+
+    python bench/gpu_suite.py OUTDIR --dry-run
+
+Without CUDA (and without ``--dry-run``) it exits at once with status 2 and "needs a CUDA GPU".
+
+Phases, each with its own time limit, so one that hangs or fails does not take the others with it:
+
+1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR);
+2. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess;
+3. end to end, in this process: a plain-torch Llama-style decoder (1.37B parameters by default, random init, bf16,
+   no positional encoding: positions do not change the cost) fine-tuned for some steps with each provider: no
+   offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
+   ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload schedule), torchao's
+   ``CPUOffloadOptimizer`` (when torchao imports), and ZenFlowAdamW (fixed ``0.1 / 4``, and ``"auto"`` when the
+   autotuner imports). Per provider: seconds per step over whole windows, the optimizer's share of the step, the
+   stall fraction (``stats()['stall_s']`` over the timed wall time), peak GPU memory
+   (``torch.cuda.max_memory_allocated``), pinned host memory (the optimizer's own figure, and what torch's caching
+   host allocator holds: it rounds every ``pin_memory=True`` block up to a power of two), the growth of the
+   process's resident host memory, and tokens per second.
+   An out-of-memory error in one provider is recorded and the suite goes on; GPU and pinned memory are released
+   between providers.
+
+Writes ``OUTDIR/gpu_suite.json`` and ``OUTDIR/gpu_suite.md`` (plus the subprocess logs). Exit status: 0 when every
+phase ran (out-of-memory results included), 1 when a GPU test failed or a provider raised another error, 2 without
+CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+if str(BENCH_DIR) not in sys.path:  # run as a script: the shared bench modules sit next to this file
+    sys.path.insert(0, str(BENCH_DIR))
+
+from report_cpu import (  # noqa: E402  (after the path set-up above)
+    OptimizerProvider,
+    auto_unavailable_reason,
+    close_optimizer,
+    load_average,
+    machine_info,
+    optimizer_memory,
+    optimizer_providers,
+)
+
+NEEDS_GPU = "gpu_suite: needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to check the script on CPU"
+# The whole suite must finish in 8 minutes on one H200; the phases share this budget.
+BUDGET_S = 450.0
+BUDGET_QUICK_S = 240.0
+
+
+# ----------------------------------------------------------------------------------------------------- the decoder
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of the Llama-style decoder (pre-norm RMSNorm, fused QKV, SwiGLU MLP, untied head)."""
+
+    vocab: int = 32000
+    """Vocabulary size: embedding and head are [vocab, d_model] matrices, as in real fine-tuning."""
+    d_model: int = 2048
+    """Width of the residual stream."""
+    n_layer: int = 24
+    """Transformer blocks; 24 at d_model 2048 gives 1.37B parameters."""
+    n_head: int = 16
+    """Attention heads (head dim 128, what flash attention is fastest at)."""
+    ffn: int = 5632
+    """Hidden width of the SwiGLU MLP (about 8/3 d_model, rounded to a multiple of 256)."""
+
+    def num_params(self) -> int:
+        d, f = self.d_model, self.ffn
+        return 2 * self.vocab * d + self.n_layer * (4 * d * d + 3 * d * f + 2 * d) + d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics: bf16 mean-of-squares loses the small activations' scale.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn, bias=False)
+        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, self.cfg.vocab), target.view(-1))
+
+
+# ----------------------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class E2ESettings:
+    """What the end-to-end phase runs."""
+
+    model: DecoderConfig
+    batch: int
+    seq: int
+    dtype: str
+    timed_steps: int
+    """Timed steps per provider, rounded up to whole windows of a ZenFlow provider."""
+    sync_timed_steps: int
+    """Timed steps of the providers that do a full host AdamW every step (seconds each at 1B+ parameters)."""
+    max_timed_steps: int
+    """Cap when an "auto" plan chooses long windows."""
+
+
+def e2e_settings(*, quick: bool, dry_run: bool) -> E2ESettings:
+    if dry_run:
+        return E2ESettings(DecoderConfig(vocab=256, d_model=64, n_layer=2, n_head=4, ffn=128), batch=2, seq=32,
+                           dtype="bfloat16", timed_steps=4, sync_timed_steps=2, max_timed_steps=8)
+    # B x T = 16 x 1024 makes forward+backward of the 1.37B decoder a few hundred ms on an H200 (about 6 * 1.37e9
+    # * 16384 = 135 TFLOP at a few hundred TFLOP/s), so one ZenFlow window of host work has something to hide
+    # behind; activations stay near 30 GB without checkpointing.
+    if quick:
+        return E2ESettings(DecoderConfig(), batch=8, seq=1024, dtype="bfloat16", timed_steps=16, sync_timed_steps=3,
+                           max_timed_steps=32)
+    return E2ESettings(DecoderConfig(), batch=16, seq=1024, dtype="bfloat16", timed_steps=32, sync_timed_steps=5,
+                       max_timed_steps=64)
+
+
+# ----------------------------------------------------------------------------------------------------- subprocesses
+
+
+def run_subprocess(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
+    """Run ``cmd`` in the repository root with a time limit; the log goes to ``OUTDIR/<name>.log``."""
+    start = time.perf_counter()
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")  # --dry-run: the Triton kernels run in the interpreter
+    result: dict[str, Any] = {"command": " ".join(cmd), "timeout_s": round(timeout)}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
+        result["returncode"] = proc.returncode
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        result["returncode"] = None
+        result["error"] = f"timed out after {timeout:.0f} s"
+        log = _text(exc.stdout) + _text(exc.stderr)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    (out / f"{name}.log").write_text(log)
+    result["tail"] = log[-1500:]
+    return result
+
+
+def _text(x: str | bytes | None) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def junit_summary(path: Path) -> dict[str, Any]:
+    """Counts from a pytest JUnit XML file, and the names of failed tests."""
+    if not path.exists():
+        return {}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    out = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    out["failed"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s
+                     if c.find("failure") is not None or c.find("error") is not None]
+    return out
+
+
+def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
+    """name, median seconds and the bench's extra_info (GB/s, ratio_to_copy...) from a --benchmark-json file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing, or empty (--benchmark-disable writes nothing)
+        return []
+    return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
+            for b in data.get("benchmarks", [])]
+
+
+# ----------------------------------------------------------------------------------------------------- end to end
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        # Step boundaries: the device must have finished this step's kernels before the clock is read.
+        torch.cuda.synchronize(device)
+
+
+def _pinned_allocator_bytes() -> int | None:
+    """Pinned bytes torch's caching host allocator holds now (``pin_memory=True`` tensors, rounded up to powers of
+    two, cached blocks included). ZenFlow's slabs are page-locked in place instead and show in its own stats."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident host memory (pinned pages included), from /proc; None elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        # Return cached pinned blocks to the driver, so that the next provider's pinned figure is its own.
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and ("out of memory" in msg or "cannot allocate" in msg)
+
+
+def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Fine-tune the decoder with one provider; everything it allocates is local and freed when it returns."""
+    res: dict[str, Any] = {"name": provider.name, "label": provider.label}
+    opt = None
+    try:
+        torch.manual_seed(0)
+        pinned0, rss0 = _pinned_allocator_bytes(), _rss_bytes()
+        t0 = time.perf_counter()
+        with torch.device(device):
+            model = Decoder(s.model).to(getattr(torch, s.dtype))
+        if device.type == "cuda":
+            # After the fp32 init and its bf16 copy: the peak should be training's, not the model build's.
+            torch.cuda.reset_peak_memory_stats(device)
+        params = list(model.parameters())
+        res["params"] = sum(p.numel() for p in params)
+        opt = provider.build(params)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randint(0, s.model.vocab, (s.batch, s.seq), generator=gen).to(device)
+        y = torch.randint(0, s.model.vocab, (s.batch, s.seq), generator=gen).to(device)
+        res["setup_s"] = time.perf_counter() - t0
+        step_log: list[tuple[float, float]] = []
+
+        def train_step() -> None:
+            t_start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model.loss(x, y).backward()
+            # Fwd+bwd and the optimizer step timed apart: this sync changes no provider's overlap (ZenFlow's host
+            # work runs on its own thread; torchao's step waits on its copy events anyway).
+            _sync(device)
+            t_mid = time.perf_counter()
+            opt.step()
+            _sync(device)
+            step_log.append((t_mid - t_start, time.perf_counter() - t_mid))
+
+        # Warm-up: ZenFlow's own warm-up ("auto" measures the step time there), then the first selection step
+        # and the rest of that window, whose host job compiles or loads the numba kernel; others: 2 steps.
+        window, timed = 1, s.timed_steps
+        t0 = time.perf_counter()
+        if provider.zenflow:
+            from zenflow_triton.optimizer import AUTO_WARMUP_STEPS
+
+            cfg = opt.config
+            for _ in range((max(cfg.warmup_steps, AUTO_WARMUP_STEPS) if cfg.is_auto else cfg.warmup_steps) + 1):
+                train_step()
+            st = opt.stats()
+            window = int(st["update_interval"])
+            for _ in range(window - 1):
+                train_step()
+            res.update(topk_ratio=st["topk_ratio"], update_interval=window, select_interval=st["select_interval"],
+                       cpu_threads=st["cpu_threads"])
+            if st.get("auto_reason"):
+                res["auto_reason"] = st["auto_reason"]
+            if st["topk_ratio"] == 0 and window == 1:
+                timed = s.sync_timed_steps
+        else:
+            for _ in range(2):
+                train_step()
+            if provider.name == "torchao_offload":
+                timed = s.sync_timed_steps
+        timed = min(max(timed, window), max(s.max_timed_steps, window))
+        timed = math.ceil(timed / window) * window  # whole windows
+        res["warmup_s"] = time.perf_counter() - t0
+        stats0 = getattr(opt, "stats", dict)()
+        step_log.clear()
+        t0 = time.perf_counter()
+        for i in range(timed):
+            if i % window == 0 and time.perf_counter() > deadline and i:
+                res["note"] = f"stopped after {i} of {timed} steps: suite time budget"
+                break
+            train_step()
+        wall = time.perf_counter() - t0
+        n = len(step_log)
+        stats1 = getattr(opt, "stats", dict)()
+        step_s = wall / n
+        res.update({
+            "timed_steps": n,
+            "step_s": step_s,
+            "fwd_bwd_s": sum(a for a, _ in step_log) / n,
+            "opt_step_s": sum(b for _, b in step_log) / n,
+            "tokens_per_s": s.batch * s.seq / step_s,
+        })
+        res["opt_share"] = res["opt_step_s"] / step_s
+        if stats1:
+            res["stall_fraction"] = (stats1["stall_s"] - stats0["stall_s"]) / wall
+            res["selections_timed"] = stats1["selections"] - stats0["selections"]
+        res.update(optimizer_memory(opt, params))
+        if device.type == "cuda":
+            res["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        pinned1, rss1 = _pinned_allocator_bytes(), _rss_bytes()
+        if pinned0 is not None and pinned1 is not None:
+            res["pinned_allocator_bytes"] = pinned1 - pinned0
+        if rss0 is not None and rss1 is not None:
+            res["host_rss_growth_bytes"] = rss1 - rss0
+    except Exception as exc:  # one provider's failure is a result, not the end of the suite
+        res["error"] = "out of memory" if _is_oom(exc) else f"{type(exc).__name__}"
+        res["message"] = str(exc)[:800]
+        res["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        if opt is not None:
+            try:
+                close_optimizer(opt)
+            except Exception as exc:  # a failed worker re-raises here; the result already says what happened
+                res.setdefault("close_error", f"{type(exc).__name__}: {exc}"[:400])
+    return res
+
+
+def e2e_providers(*, quick: bool) -> dict[str, OptimizerProvider]:
+    # A hung host worker must become an error within the suite's budget, not after the default 10 minutes.
+    all_p = optimizer_providers(extra=("torchao_offload",), zenflow_kwargs={"worker_timeout": 120.0})
+    names = ["torch_adamw_fused", "sync_offload", "torchao_offload", "zenflow", "zenflow_auto"]
+    if quick and "zenflow_auto" in all_p:
+        names.remove("zenflow")
+    return {n: all_p[n] for n in names if n in all_p}
+
+
+# ----------------------------------------------------------------------------------------------------- report
+
+
+def _gib(x: float | None) -> str:
+    return "–" if x is None else f"{x / 2**30:.1f}"
+
+
+def e2e_markdown(rows: list[dict[str, Any]]) -> str:
+    base = next((r["step_s"] for r in rows if r["name"] == "torch_adamw_fused" and "step_s" in r), None)
+    lines = ["| provider | ms/step | tokens/s | × no-offload | optimizer share | stall | GPU peak GiB "
+             "| pinned GiB (optimizer) | pinned GiB (torch allocator) | host RSS growth GiB | r / U | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['label']} | – | – | – | – | – | – | – | – | – | – "
+                         f"| {r.get('error', r.get('skipped'))} |")
+            continue
+        ratio = f"{r['step_s'] / base:.2f}" if base else "–"
+        stall = f"{r['stall_fraction']:.0%}" if "stall_fraction" in r else "–"
+        ru = f"{r['topk_ratio']:.3g} / {r['update_interval']}" if "topk_ratio" in r else "–"
+        lines.append(
+            f"| {r['label']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | {ratio} | {r['opt_share']:.0%} "
+            f"| {stall} | {_gib(r.get('gpu_peak_bytes'))} | {_gib(r.get('pinned_bytes'))} "
+            f"| {_gib(r.get('pinned_allocator_bytes'))} | {_gib(r.get('host_rss_growth_bytes'))} | {ru} "
+            f"| {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    s = report["e2e_settings"]
+    parts = [
+        f"# gpu_suite {m['date']}",
+        f"GPU: {m.get('gpu', 'none (dry run)')}; host: {m['nproc']} x {m['cpu_model']}; torch {m['torch']}; "
+        f"git {m['git_rev']}; mode: {report['mode']}; wall {report['wall_s']:.0f} s",
+        "## GPU tests",
+        "```\n" + json.dumps({k: v for k, v in report.get("gpu_tests", {}).items() if k != "tail"}, indent=1)
+        + "\n```",
+        "## Device kernels",
+    ]
+    rows = report.get("device_kernels", {}).get("rows", [])
+    if rows:
+        parts.append("| bench | median µs | GB/s | × copy |\n|---|---:|---:|---:|\n" + "\n".join(
+            f"| {r['name']} | {r['median_s'] * 1e6:.0f} | {r.get('GB/s', float('nan')):.0f} "
+            f"| {r.get('ratio_to_copy', float('nan')):.2f} |" for r in rows))
+    else:
+        parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
+    d = s["model"]
+    parts += [
+        "## End to end",
+        f"Decoder {d['n_layer']} x d{d['d_model']}, vocab {d['vocab']} ({report.get('e2e_params', 0) / 1e9:.2f}B "
+        f"params, {s['dtype']}), batch {s['batch']} x {s['seq']} tokens.",
+        e2e_markdown(report.get("e2e", [])),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--quick", action="store_true", help="smaller batch, fewer steps and providers (~4 minutes)")
+    ap.add_argument("--dry-run", action="store_true", help="the whole pipeline on CPU with a tiny decoder")
+    ap.add_argument("--skip-tests", action="store_true", help="skip phase 1 (pytest -m gpu tests)")
+    ap.add_argument("--skip-kernels", action="store_true", help="skip phase 2 (device kernel benches)")
+    ap.add_argument("--providers", nargs="*", default=None, help="end-to-end providers to run (default: all)")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print(NEEDS_GPU, file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    budget = BUDGET_QUICK_S if args.quick else BUDGET_S
+    deadline = start + budget
+    out: Path = args.outdir
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if cuda and not args.dry_run else "cpu")
+    machine = machine_info()
+    try:
+        machine["host_memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    report: dict[str, Any] = {"machine": machine, "mode": "dry-run" if args.dry_run else ("quick" if args.quick
+                                                                                          else "full")}
+    failed = False
+
+    def remaining() -> float:
+        return deadline - time.perf_counter()
+
+    def save() -> None:
+        report["wall_s"] = time.perf_counter() - start
+        (out / "gpu_suite.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (out / "gpu_suite.md").write_text(report_markdown(report))
+
+    settings = e2e_settings(quick=args.quick, dry_run=args.dry_run)
+    report["e2e_settings"] = asdict(settings)
+    report["e2e_params"] = settings.model.num_params()
+    py = sys.executable
+
+    # Phases 1 and 2 first, while this process holds no GPU memory. Their shares of the budget: measured on no
+    # GPU yet, so generous; the end-to-end phase gets the rest and stops early (recorded) if it runs out.
+    if not args.skip_tests:
+        print("# phase 1: pytest -m gpu tests", flush=True)
+        junit = out / "gpu_tests.xml"
+        r = run_subprocess("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
+                                         f"--junitxml={junit}"], out, min(0.4 * budget, remaining() - 60))
+        r.update(junit_summary(junit))
+        # pytest exits 5 when every test was deselected (no -m gpu tests): not a failure.
+        failed |= r.get("returncode") not in (0, 5) or bool(r.get("failures") or r.get("errors"))
+        report["gpu_tests"] = r
+        save()
+    if not args.skip_kernels:
+        print("# phase 2: device kernel benches", flush=True)
+        bjson = out / "device_kernels.json"
+        cmd = [py, "-m", "pytest", "bench/bench_device_kernels.py", "-q", "-p", "no:cacheprovider",
+               f"--benchmark-json={bjson}"]
+        if args.dry_run:
+            cmd.append("--benchmark-disable")
+        r = run_subprocess("device_kernels", cmd, out, min(0.25 * budget, remaining() - 60))
+        r["rows"] = kernel_bench_rows(bjson)
+        failed |= r.get("returncode") not in (0, 5)
+        report["device_kernels"] = r
+        save()
+
+    print(f"# phase 3: end to end, {settings.model.num_params() / 1e9:.2f}B params on {device}", flush=True)
+    if device.type == "cuda":
+        # Only now: querying the device creates this process's CUDA context, which phases 1-2 did not need.
+        props = torch.cuda.get_device_properties(device)
+        machine.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+    providers = e2e_providers(quick=args.quick)
+    if args.providers:
+        providers = {k: v for k, v in providers.items() if k in args.providers}
+    rows: list[dict[str, Any]] = []
+    skipped = {"torchao_offload": "torchao does not import (or is unusable here)"}
+    if (reason := auto_unavailable_reason()) is not None:
+        skipped["zenflow_auto"] = reason
+    if device.type != "cuda":
+        skipped["torchao_offload"] = "torchao's CPUOffloadOptimizer needs CUDA"
+        providers.pop("torchao_offload", None)
+    for name, why in skipped.items():
+        if name not in providers and (args.providers is None or name in args.providers):
+            rows.append({"name": name, "label": name, "skipped": why})
+    try:
+        from zenflow_triton.kernels.cpu_adamw import warmup
+
+        t0 = time.perf_counter()
+        warmup((torch.float32,), (None, torch.bfloat16))  # compile once, outside every provider's timing
+        report["numba_warmup_s"] = time.perf_counter() - t0
+    except Exception as exc:  # the ZenFlow providers will then fail and say why; the others still run
+        report["numba_warmup_error"] = f"{type(exc).__name__}: {exc}"
+    for p in providers.values():
+        if remaining() < 20:
+            rows.append({"name": p.name, "label": p.label, "skipped": "suite time budget exhausted"})
+            continue
+        print(f"#   {p.name} (load {load_average()[0]:.1f}, {remaining():.0f} s left)", flush=True)
+        # The first providers may not use the last ones' share: each gets an equal part of what is left.
+        left = [q for q in providers.values() if not any(r["name"] == q.name for r in rows)]
+        res = run_provider(p, settings, device, time.perf_counter() + remaining() / max(1, len(left)))
+        _release_memory()
+        rows.append(res)
+        failed |= "error" in res and res["error"] != "out of memory"
+        line = (f"{res['step_s'] * 1e3:.0f} ms/step, {res['tokens_per_s']:.0f} tok/s" if "step_s" in res
+                else f"{res.get('error')}: {res.get('message', '')[:200]}")
+        print(f"#     {line}", flush=True)
+        report["e2e"] = rows
+        save()
+    report["e2e"] = rows
+    save()
+    print(report_markdown(report))
+    print(f"# wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
