@@ -66,8 +66,9 @@ def adam_update_(
         step_size = (lr / (1 - beta1**s)).to(torch.float32)
         bc2_sqrt = (1 - beta2**s).sqrt().to(torch.float32)
         denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-        # p + (-step_size) * (m / denom) rounds exactly like addcdiv_ with a scalar value.
-        param.sub_(exp_avg.div(denom).mul_(step_size))
+        # addcdiv_(m, denom, value=-s) computes (-s * m) / denom on torch's CPU kernels; subtracting
+        # (s * m) / denom rounds the same way with s a per-column tensor.
+        param.sub_(exp_avg.mul(step_size).div_(denom))
     else:
         step_size = lr / (1 - beta1**step)
         bc2_sqrt = (1 - beta2**step) ** 0.5
