@@ -224,6 +224,21 @@ def _load_grad_impl(grad, i):
         return lambda grad, i: grad[i]
     if grad.dtype == types.uint16:
         return lambda grad, i: _bits_f32(_U32(_U32(grad[i]) << _U16))
+    if grad.dtype == types.int16:  # fp16 (the device-side ops for CPU tensors read fp16 models' gradients)
+
+        def load_f16(grad, i):
+            h = _U32(np.uint16(grad[i]))
+            sign = (h & _U32(0x8000)) << _U16
+            e = (h >> _U32(10)) & _U32(0x1F)
+            mant = h & _U32(0x3FF)
+            if e == _U32(0):  # zero or subnormal: mant * 2^-24 is exact in fp32
+                mag = np.float32(mant) * np.float32(5.9604644775390625e-08)
+                return -mag if sign else mag
+            if e == _U32(0x1F):  # inf or NaN: keep the payload, quiet bit included
+                return _bits_f32(sign | _U32(0x7F800000) | (mant << _U13))
+            return _bits_f32(sign | ((e + _U32(112)) << _U32(23)) | (mant << _U13))
+
+        return load_f16
     return None
 
 

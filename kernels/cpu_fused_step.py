@@ -17,8 +17,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from numba import njit, prange, types
-from numba.extending import overload, register_jitable
+from numba import njit, prange
+from numba.extending import register_jitable
 
 from ._checks import (
     check_column_sumsq_args,
@@ -27,7 +27,8 @@ from ._checks import (
     check_merge_args,
     check_slot_range,
 )
-from .cpu_adamw import _adamw_elem, _bits_f32, _flat_view, _store_snap
+from .cpu_adamw import _adamw_elem, _flat_view, _hyperparams, _store_snap
+from .cpu_adamw import _load_grad as _load_elem
 
 __all__ = ["column_sumsq_", "fused_step_", "merge_"]
 
@@ -56,47 +57,11 @@ def _launch(kernels, numel: int, items: int, *args) -> None:
         parallel(items, *args)
 
 
-def _load_elem(a, i):  # pragma: no cover - typing stub, replaced by the overload below inside numba
-    raise NotImplementedError
-
-
-@overload(_load_elem)
-def _load_elem_impl(a, i):
-    """An element as float32 from a model-dtype view: fp32, bf16 bits (uint16) or fp16 bits (int16)."""
-    if a.dtype == types.float32:
-        return lambda a, i: a[i]
-    if a.dtype == types.uint16:
-        return lambda a, i: _bits_f32(np.uint32(a[i]) << np.uint32(16))
-    if a.dtype == types.int16:
-
-        def load_f16(a, i):
-            h = np.uint32(np.uint16(a[i]))
-            sign = (h & np.uint32(0x8000)) << np.uint32(16)
-            e = (h >> np.uint32(10)) & np.uint32(0x1F)
-            mant = h & np.uint32(0x3FF)
-            if e == np.uint32(0):  # zero or subnormal: mant * 2^-24 is exact in fp32
-                mag = np.float32(mant) * np.float32(5.9604644775390625e-08)
-                return -mag if sign else mag
-            if e == np.uint32(0x1F):  # inf or NaN: keep the payload, quiet bit included
-                return _bits_f32(sign | np.uint32(0x7F800000) | (mant << np.uint32(13)))
-            return _bits_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13)))
-
-        return load_f16
-    return None
-
-
 def _adam_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                   decoupled: bool) -> tuple:
-    """The trailing scalar arguments of ``cpu_adamw._adamw_elem``, rounded to fp32 where torch rounds them."""
-    w = np.float32(1.0 - beta1)
-    base_is_m = bool(abs(w) < 0.5)  # torch's lerp switches formula at weight 0.5
-    if not base_is_m:
-        w = np.float32(w - np.float32(1.0))
-    wd = float(weight_decay)
-    coupled = bool(not decoupled and wd != 0.0)
-    decay = np.float32(1.0 - lr * wd) if decoupled and wd != 0.0 else np.float32(1.0)
-    return (decay, np.float32(wd), coupled, w, base_is_m, np.float32(beta2), np.float32(1.0 - beta2),
-            np.float32(eps))
+    """The trailing scalar arguments of ``cpu_adamw._adamw_elem`` (decay, l2, coupled, w, base_is_m, beta2,
+    1 - beta2, eps), rounded to fp32 where torch rounds them: the host kernel's own, without its count terms."""
+    return _hyperparams(1, lr, beta1, beta2, eps, weight_decay, decoupled)[3:11]
 
 
 # One branch-free loop per (accumulate, update_score) case, each its own function with unsigned indices: a
