@@ -69,9 +69,10 @@ from report_cpu import (  # noqa: E402  (after the path set-up above)
 )
 
 NEEDS_GPU = "gpu_suite: needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to check the script on CPU"
-# The whole suite must finish in 8 minutes on one H200; the phases share this budget.
-BUDGET_S = 450.0
-BUDGET_QUICK_S = 240.0
+# The whole suite must finish in 8 minutes on one H200; the phases share this budget, and the margin covers
+# start-up, a provider's warm-up that overruns it (checked only between windows) and writing the report.
+BUDGET_S = 420.0
+BUDGET_QUICK_S = 210.0
 
 
 # ----------------------------------------------------------------------------------------------------- the decoder

@@ -1,6 +1,7 @@
 """Issue 3's acceptance numbers on CPU tensors: every optimizer timed in ONE process on the same weights.
 
-Run: ``python bench/report_cpu.py [--params N] [--rounds R] [--out DIR] [--profile PROVIDER]``.
+Run: ``python bench/report_cpu.py [--params N] [--rounds R] [--out DIR] [--profile PROVIDER]``, or
+``python bench/report_cpu.py --ops`` for the single-thread cost of each operation of a ZenFlow step.
 
 The weights are ``[2048, 2048]`` fp32 matrices (about 33M parameters by default, eight of them) plus one resident
 bias per matrix; each step's gradients come from a few precomputed random sets with a fixed per-column scale (so
@@ -467,6 +468,98 @@ def bf16_host_bytes_per_param(weights: Sequence[torch.Tensor]) -> float:
         return float(opt.stats()["host_bytes_per_param"])
 
 
+def op_costs(num_params: int, *, reps: int = 9) -> list[dict[str, Any]]:
+    """Single-thread cost of each operation a ZenFlow step is made of on CPU tensors, next to torch's fused AdamW
+    and plain copies of the same bytes (what each op would cost at memory speed).
+
+    One thread for torch and numba alike: a single-thread figure is the op's own cost, and it stays meaningful on
+    a shared 2-core machine where a parallel region stalls whenever another process holds one of its cores.
+    Sets the calling thread's torch and numba thread counts to 1 (a CLI mode; nothing runs after it).
+    """
+    import numba
+
+    from zenflow_triton.kernels import cpu_fused_step as dev
+    from zenflow_triton.kernels.cpu_adamw import host_adamw_
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    weights = [w for w in make_weights(num_params) if w.dim() == 2]
+    rows, cols = weights[0].shape
+    k = -(-cols // 10)
+    n = sum(w.numel() for w in weights)
+    gen = torch.Generator().manual_seed(0)
+
+    def mats(scale: float = 1.0) -> list[torch.Tensor]:
+        return [torch.randn(rows, cols, generator=gen).mul_(scale) for _ in weights]
+
+    grads, accs, params, snaps = mats(1e-3), mats(0.0), mats(0.02), mats(0.02)
+    slot10 = torch.full((cols,), -1, dtype=torch.int32)
+    slot10[torch.randperm(cols, generator=gen)[:k].sort().values] = torch.arange(k, dtype=torch.int32)
+    slot0 = torch.full((cols,), -1, dtype=torch.int32)
+    col_step = torch.full((cols,), 10, dtype=torch.int32)
+    compact = [[torch.zeros(rows, k) for _ in weights] for _ in range(3)]
+    empty = [torch.zeros(rows, 0) for _ in weights]
+    scores = [torch.zeros(cols) for _ in weights]
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    torch_params = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    for p, g in zip(torch_params, grads):
+        p.grad = g
+    torch_opt = torch.optim.AdamW(torch_params, **HP, fused=True)
+
+    def fused(slot: torch.Tensor, state: list[list[torch.Tensor]], **kw: Any) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(len(weights)):
+                dev.fused_step_(params[i], grads[i], score=scores[i], slot=slot, col_step=col_step,
+                                master=state[0][i], exp_avg=state[1][i], exp_avg_sq=state[2][i], acc=accs[i], **hp,
+                                **kw)
+        return run
+
+    def host(slot: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(len(weights)):
+                host_adamw_(snaps[i], accs[i], params[i], grads[i], count=4, slot=slot, col_step=col_step,
+                            num_threads=1, **hp)
+        return run
+
+    # (name, bytes per parameter the op must move at least, function)
+    ops: list[tuple[str, int, Callable[[], object]]] = [
+        ("torch AdamW fused step", 28, torch_opt.step),
+        ("torch copy_ (acc -> landing buffer)", 8, lambda: [s_.copy_(a) for s_, a in zip(snaps, accs)]),
+        ("torch add_ (acc += g)", 12, lambda: [a.add_(g) for a, g in zip(accs, grads)]),
+        ("numba fused_step_ r=0.1, acc += g, scores", 12, fused(slot10, compact, accumulate=True)),
+        ("numba fused_step_ r=0.1, acc += g, no scores", 12,
+         fused(slot10, compact, accumulate=True, update_score=False)),
+        ("numba fused_step_ r=0, acc += g, scores", 12, fused(slot0, [empty] * 3, accumulate=True)),
+        ("numba fused_step_ r=0, acc = g, scores", 8, fused(slot0, [empty] * 3, accumulate=False)),
+        ("numba merge_ 90% unselected", 8, lambda: [dev.merge_(p, s_, slot10) for p, s_ in zip(params, snaps)]),
+        ("numba merge_ 100% unselected", 8, lambda: [dev.merge_(p, s_, slot0) for p, s_ in zip(params, snaps)]),
+        ("numba host_adamw_ 90% unselected", 28, host(slot10)),
+        ("numba host_adamw_ 100%", 28, host(slot0)),
+    ]
+    out = []
+    for name, nbytes, fn in ops:
+        fn()  # compile / first touch
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        out.append({"op": name, "bytes_per_param": nbytes, "min_s": best, "median_s": statistics.median(times),
+                    "GB/s": nbytes * n / best / 1e9, "params": n})
+    return out
+
+
+def ops_markdown(rows: list[dict[str, Any]]) -> str:
+    n = rows[0]["params"] / 1e6
+    lines = [f"| op (1 thread, {n:.1f}M fp32) | B/param | min ms | median ms | GB/s at min |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['bytes_per_param']} | {r['min_s'] * 1e3:.1f} | {r['median_s'] * 1e3:.1f} "
+                     f"| {r['GB/s']:.1f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -479,11 +572,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="folder for the JSON and markdown")
     ap.add_argument("--only", nargs="*", default=None, help="provider names to run (torch_adamw_fused is always)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="ZenFlowAdamW cpu_threads (default: library's)")
+    ap.add_argument("--ops", action="store_true",
+                    help="instead: single-thread cost of each operation of a ZenFlow step (the profile's breakdown)")
     ap.add_argument("--max-round-s", type=float, default=60.0,
                     help="a provider whose rounds take longer than this stops after two rounds")
     ap.add_argument("--profile", default=None, metavar="PROVIDER",
                     help="also run cProfile over two extra rounds of this provider and print the top functions")
     args = ap.parse_args(argv)
+    if args.ops:
+        print(f"# load {load_average()}")
+        print(ops_markdown(op_costs(args.params)))
+        print(f"# load {load_average()}")
+        return 0
 
     info = machine_info()
     print(f"# machine: {info['nproc']} x {info['cpu_model']}, torch {info['torch']} ({info['torch_threads']} "
