@@ -46,7 +46,6 @@ class _Runtime:
 
     rows: int
     cols: int
-    slab_index: int
     grad: torch.Tensor  # host gradient landing buffer [R, C], fp32 or bf16
     snapshot: torch.Tensor | None  # host model-dtype copy for the trip back; None: the fp32 master serves
     host_slot: torch.Tensor  # CPU copy of the slot map, read by the host kernel
@@ -603,7 +602,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             grad = next(views)
             snapshot = next(views) if p.dtype != torch.float32 else None
             self._runtime[p] = _Runtime(
-                rows=rows, cols=cols, slab_index=len(self._slabs) - 1, grad=grad, snapshot=snapshot,
+                rows=rows, cols=cols, grad=grad, snapshot=snapshot,
                 host_slot=torch.empty(cols, dtype=torch.int32), unselected=torch.empty(cols, dtype=torch.int32),
                 selected=torch.empty(cols, dtype=torch.int32, device=p.device), num_unselected=cols,
             )
