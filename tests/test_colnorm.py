@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_shapes import edge_shapes
 
 from zenflow_triton.kernels import colnorm, reference
 
@@ -14,22 +15,7 @@ from zenflow_triton.kernels import colnorm, reference
 TOLERANCES = [(torch.float32, 0.0, 1e-5), (torch.bfloat16, 0.0, 1e-5), (torch.float16, 0.0, 1e-5)]
 DTYPES = [d for d, _, _ in TOLERANCES]
 
-GPU_R, GPU_C, INT_R = colnorm._BLOCK_R, colnorm._BLOCK_C, colnorm._INTERP_BLOCK_R
-SHAPES = [
-    ("1x1", 1, 1, {}),
-    ("1xC", 1, 130, {}),
-    ("Rx1", 130, 1, {}),
-    ("prime", 37, 53, {}),
-    ("gpu_R-1", GPU_R - 1, 20, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_R+1", GPU_R + 1, 20, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C-1", 3, GPU_C - 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C+1", 3, GPU_C + 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("int_R-1", INT_R - 1, 9, {}),
-    ("int_R+1", INT_R + 1, 9, {}),
-    ("wide", 3, 700, {}),
-    ("tall", 700, 3, {}),  # default plan: 2 row splits
-    ("splits", 70, 20, dict(_block_r=8, _block_c=8, _rows_per_split=16)),  # 5 splits x 3 column blocks
-]
+SHAPES = edge_shapes(colnorm)
 
 
 def _case(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

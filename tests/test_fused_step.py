@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from kernel_shapes import edge_shapes
 
 from zenflow_triton.kernels import _triton_utils, reference
 from zenflow_triton.kernels import fused_step as fs
@@ -28,24 +29,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # relative error of either order is a few eps * sqrt(R) at these sizes (observed <= 3e-7).
 SCORE_RTOL = 1e-5
 
-GPU_R, GPU_C = fs._BLOCK_R, fs._BLOCK_C  # CUDA tile
-INT_R = fs._INTERP_BLOCK_R  # interpreter tile rows
-# (id, rows, cols, launcher overrides): shapes that break block assumptions, under both the CUDA and the interpreter
-# tiles, plus launches that span several row splits (partial sums reduced by a second kernel).
-SHAPES = [
-    ("1x1", 1, 1, {}),
-    ("1xC", 1, 130, {}),
-    ("Rx1", 130, 1, {}),
-    ("prime", 37, 53, {}),
-    ("gpu_R-1", GPU_R - 1, 40, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_R+1", GPU_R + 1, 40, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C-1", 5, GPU_C - 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C+1", 5, GPU_C + 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("int_R-1", INT_R - 1, 9, {}),
-    ("int_R+1", INT_R + 1, 9, {}),
-    ("wide", 3, 700, {}),
-    ("tall", 700, 3, {}),  # default plan: 2 row splits
-    ("splits", 70, 20, dict(_block_r=8, _block_c=8, _rows_per_split=16)),  # 5 splits x 3 column blocks
+# Shapes that break block assumptions under both tiles, plus one more ragged multi-split launch.
+SHAPES = edge_shapes(fs, narrow=40, short=5) + [
     ("splits_ragged", 45, 37, dict(_block_r=4, _block_c=16, _rows_per_split=12)),
 ]
 KMODES = ["k0", "kC", "subset"]

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_shapes import edge_shapes
 
 from zenflow_triton.kernels import merge, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # no tolerance: a copy is exact in every dtype
-GPU_R, GPU_C, INT_R = merge._BLOCK_R, merge._BLOCK_C, merge._INTERP_BLOCK_R
-SHAPES = [
-    ("1x1", 1, 1, {}),
-    ("1xC", 1, 130, {}),
-    ("Rx1", 130, 1, {}),
-    ("prime", 37, 53, {}),
-    ("gpu_R-1", GPU_R - 1, 20, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_R+1", GPU_R + 1, 20, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C-1", 3, GPU_C - 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("gpu_C+1", 3, GPU_C + 1, dict(_block_r=GPU_R, _block_c=GPU_C)),
-    ("int_R-1", INT_R - 1, 9, {}),
-    ("int_R+1", INT_R + 1, 9, {}),
-    ("wide", 3, 700, {}),
-    ("tall", 700, 3, {}),
-    ("splits", 70, 20, dict(_block_r=8, _block_c=8, _rows_per_split=16)),
-]
+SHAPES = edge_shapes(merge)
 
 
 def _case(rows: int, cols: int, n_selected: int, dtype: torch.dtype, seed: int = 0):
