@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,10 +17,20 @@ SHAPES = [(1, 1), (1, 40), (63, 1), (64, 7), (65, 33), (130, 37), (3, 700)]
 TOL = dict(atol=1e-6, rtol=1e-5)
 
 
-def _state(rows: int, cols: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+def _state(rows: int, cols: int, k: int, seed: int, slots: str = "perm") -> dict[str, torch.Tensor]:
+    """``slots``: "perm" (k random columns, slots a random permutation of 0 .. k-1), "ordered" (slots in column
+    order, as the optimizer makes them), "gaps" (about 2/3 of the k slots used, slot 0 never, in random order)."""
     gen = torch.Generator().manual_seed(seed)
     slot = torch.full((cols,), -1, dtype=torch.int32)
-    slot[torch.randperm(cols, generator=gen)[:k]] = torch.randperm(k, generator=gen).to(torch.int32)
+    used = max(1, 2 * k // 3) if slots == "gaps" and k > 1 else k
+    cols_sel = torch.randperm(cols, generator=gen)[:used]
+    if slots == "ordered":
+        slot[cols_sel.sort().values] = torch.arange(used, dtype=torch.int32)
+    elif slots == "gaps":
+        perm = torch.randperm(k, generator=gen)
+        slot[cols_sel] = perm[perm != 0][:used].to(torch.int32)
+    else:
+        slot[cols_sel] = torch.randperm(k, generator=gen).to(torch.int32)
     return dict(score=torch.rand(cols, generator=gen), slot=slot,
                 col_step=torch.randint(1, 9, (cols,), generator=gen, dtype=torch.int32),
                 master=torch.randn(rows, k, generator=gen), exp_avg=torch.randn(rows, k, generator=gen),
@@ -49,6 +60,105 @@ def test_fused_step_matches_reference(shape, dtype, which_k, decoupled) -> None:
     sel = ~unsel
     # selected columns of the param are the kernel's own master, rounded to nearest even
     assert torch.equal(pb[:, sel], b["master"][:, b["slot"][sel].long()].to(dtype))
+
+
+# A map with unused slots needs k >= 2 slots, so at least two columns.
+SLOT_MAP_CASES = [(shape, slots) for shape in SHAPES for slots in ("ordered", "gaps")
+                  if slots == "ordered" or shape[1] >= 2]
+
+
+@pytest.mark.parametrize("shape,slots", SLOT_MAP_CASES, ids=[f"{r}x{c}-{s}" for (r, c), s in SLOT_MAP_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_step_slot_maps(shape, slots, dtype) -> None:
+    """Slots in column order (the contiguous path without a sort) and maps with unused slots (the indexed path)."""
+    rows, cols = shape
+    k = max(1, cols // 3) if slots == "ordered" else max(2, cols // 2)
+    gen = torch.Generator().manual_seed(11)
+    param0 = torch.randn(shape, generator=gen).to(dtype)
+    a, b = _state(rows, cols, k, 2, slots), _state(rows, cols, k, 2, slots)
+    _, _, contig = nb._selected(a["slot"].numpy())
+    assert contig == (slots == "ordered")
+    pa, pb = param0.clone(), param0.clone()
+    for accumulate in (False, True):
+        g = torch.randn(shape, generator=gen).to(dtype)
+        ref.fused_step_(pa, g, **a, accumulate=accumulate, **HP)
+        nb.fused_step_(pb, g, **b, accumulate=accumulate, **HP)
+    for key in ("score", "master", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(b[key], a[key], **TOL, msg=key)
+    unused = torch.ones(k, dtype=torch.bool)
+    unused[b["slot"][b["slot"] >= 0].long()] = False
+    st0 = _state(rows, cols, k, 2, slots)
+    for key in ("master", "exp_avg", "exp_avg_sq"):  # slots no column uses keep their bits
+        assert torch.equal(b[key][:, unused], st0[key][:, unused])
+    sel = b["slot"] >= 0
+    assert torch.equal(pb[:, ~sel], param0[:, ~sel])
+    assert torch.equal(pb[:, sel], b["master"][:, b["slot"][sel].long()].to(dtype))
+
+
+def test_selected_orders_by_slot() -> None:
+    """Columns come back in slot order; the contiguous path is taken exactly when the slots are 0 .. n-1."""
+    cases = {
+        (-1, -1, -1): ([], [], True),
+        (-1, 0, 1, -1, 2): ([1, 2, 4], [0, 1, 2], True),
+        (2, -1, 0, 1): ([2, 3, 0], [0, 1, 2], True),  # a permutation: sorted, then contiguous
+        (3, -1, 0, 1): ([2, 3, 0], [0, 1, 3], False),  # slot 2 unused
+        (1, 0, 1, -1): ([1, 0, 2], [0, 1, 1], False),  # repeated slot: its columns stay in column order
+        (-1, 5): ([1], [5], False),
+    }
+    for slot, (cols, ids, contig) in cases.items():
+        c, i, ok = nb._selected(np.array(slot, dtype=np.int32))
+        assert (c.tolist(), i.tolist(), ok) == (cols, ids, contig), slot
+
+
+def test_fused_step_does_not_depend_on_thread_count() -> None:
+    """Per-work-item scratch buffers and the score blocks: the same bits with one thread and with the pool."""
+    import numba
+
+    rows, cols, k = 300, 400, 60  # 120K elements: past the serial threshold
+    gen = torch.Generator().manual_seed(5)
+    param0 = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    g = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    outs = []
+    previous = numba.get_num_threads()
+    try:
+        for slots in ("ordered", "gaps"):
+            for threads in (1, numba.config.NUMBA_NUM_THREADS):
+                numba.set_num_threads(threads)
+                st = _state(rows, cols, k, 3, slots)
+                p = param0.clone()
+                nb.fused_step_(p, g, **st, accumulate=True, **HP)
+                outs.append((p, st))
+    finally:
+        numba.set_num_threads(previous)
+    for (p1, s1), (p2, s2) in (outs[0:2], outs[2:4]):
+        assert torch.equal(p1.view(torch.int16), p2.view(torch.int16))
+        for key in s1:
+            assert torch.equal(s1[key], s2[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("unselected", [0.0, 0.5, 0.9, 1.0])
+def test_merge_moves_bits_exactly(dtype, unselected) -> None:
+    """Random bit patterns (signalling NaNs, payloads, subnormals included) land unchanged: the masked blend, the
+    all-unselected copy and the all-selected no-op alike."""
+    rows, cols = 67, 45  # a tail after the vector loop and after a 64-row block
+    itype = torch.int32 if dtype == torch.float32 else torch.int16
+    info = torch.iinfo(itype)
+    gen = torch.Generator().manual_seed(9)
+    bits = torch.randint(info.min, info.max + 1, (2, rows, cols), generator=gen, dtype=torch.int64).to(itype)
+    snan = 0x7F800001 if dtype == torch.float32 else (0x7F81 if dtype == torch.bfloat16 else 0x7C01)
+    bits[1, :, ::3] = snan  # signalling NaNs with a payload, which a float copy could quiet
+    bits[1, :, 1::3] = -(2 ** (info.bits - 1)) + snan  # the same with the sign bit set
+    param, snap = bits[0].view(dtype), bits[1].view(dtype)
+    slot = torch.where(torch.rand(cols, generator=gen) < unselected, -1, 0).to(torch.int32)
+    if unselected == 1.0:
+        slot.fill_(-1)
+    elif unselected == 0.0:
+        slot.fill_(0)
+    p = param.clone()
+    nb.merge_(p, snap, slot)
+    expect = torch.where(slot < 0, bits[1], bits[0])
+    assert torch.equal(p.view(itype), expect)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
