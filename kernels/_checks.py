@@ -137,13 +137,14 @@ def check_host_adamw_args(
     snapshot: torch.Tensor | None,
     count: int,
 ) -> tuple[int, int]:
-    """Host buffers are CPU tensors [R, C]; grad is the fp32 or bf16 sum of ``count`` gradients."""
+    """Host buffers are CPU tensors [R, C]; grad is the sum of ``count`` gradients in fp32 or bf16 (a landing
+    buffer), or fp16 (an fp16 model's own gradient, read in place on CPU tensors)."""
     cpu = torch.device("cpu")
     _check_tensor("master", master, dtypes=(torch.float32,), ndim=2, device=cpu)
     rows, cols = master.shape
     _check_tensor("exp_avg", exp_avg, dtypes=(torch.float32,), shape=(rows, cols), device=cpu)
     _check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), shape=(rows, cols), device=cpu)
-    _check_tensor("grad", grad, dtypes=(torch.float32, torch.bfloat16), shape=(rows, cols), device=cpu)
+    _check_tensor("grad", grad, dtypes=MODEL_DTYPES, shape=(rows, cols), device=cpu)
     _check_tensor("slot", slot, dtypes=(torch.int32,), shape=(cols,), device=cpu)
     _check_tensor("col_step", col_step, dtypes=(torch.int32,), shape=(cols,), device=cpu)
     if snapshot is not None:

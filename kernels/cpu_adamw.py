@@ -2,7 +2,7 @@
 
 ``host_adamw_`` is the numba twin of :func:`zenflow_triton.kernels.reference.host_adamw_`: masked AdamW on the
 unselected columns (``slot[j] < 0``) of full ``[R, C]`` fp32 master/exp_avg/exp_avg_sq, gradient ``grad / count``
-(fp32 or bf16 in), per-column bias correction from ``col_step``, and the updated master written to ``snapshot``
+(fp32, bf16 or fp16 in), per-column bias correction from ``col_step``, and the updated master written to ``snapshot``
 (fp32, bf16 or fp16) in the same pass. It streams 28 bytes per parameter, so memory bandwidth bounds it; the
 arithmetic (one sqrt and one or two divides per element on a shared divider) must hide under the traffic.
 
@@ -650,7 +650,7 @@ def host_adamw_(
     """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` fp32 CPU state, in place.
 
     Same arguments and results as :func:`zenflow_triton.kernels.reference.host_adamw_`: the gradient is
-    ``grad / count`` (``grad`` fp32 or bf16, the sum of ``count`` gradients); bias correction uses the
+    ``grad / count`` (``grad`` fp32, bf16 or fp16, the sum of ``count`` gradients); bias correction uses the
     per-column, already incremented ``col_step`` (read only); ``decoupled=False`` is Adam with L2 weight decay.
     Updated columns of ``master`` are also written to ``snapshot`` (fp32, bf16 or fp16; round to nearest even)
     when given. Selected columns of every buffer keep their bits. All tensors must be contiguous CPU tensors

@@ -171,7 +171,7 @@ def host_adamw_(
 ) -> None:
     """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` fp32 state.
 
-    The gradient is the mean ``grad / count`` (``grad`` fp32 or bf16, the sum of ``count`` gradients).
+    The gradient is the mean ``grad / count`` (``grad`` fp32, bf16 or fp16, the sum of ``count`` gradients).
     Updated columns of ``master`` are also written to ``snapshot`` in its dtype (round to nearest even),
     when given; selected columns of every buffer are left untouched.
     """
