@@ -116,8 +116,7 @@ def optimizer_providers(
     Always: ``torch_adamw_fused`` (the baseline), ``torch_adamw`` (torch's default implementation),
     ``sync_offload`` (ZenFlowAdamW with ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload
     schedule), ``zenflow`` (``topk_ratio=0.1, update_interval=4``), and ``zenflow_auto`` when ``auto`` and the
-    autotuner imports. ``extra`` adds ``sync_offload_allcores`` (the synchronous mode with every core for the host
-    kernel, which is idle-waited for anyway) and ``torchao_offload`` (when torchao imports; CUDA only).
+    autotuner imports. ``extra`` adds ``torchao_offload`` (when torchao imports; CUDA only).
     ``cpu_threads`` is passed to every ZenFlowAdamW (None: the library's default, all cores but one), and so are
     ``zenflow_kwargs`` (e.g. a short ``worker_timeout`` for a suite that must not hang).
     """
@@ -138,12 +137,6 @@ def optimizer_providers(
     add(OptimizerProvider("torch_adamw", "torch AdamW (default impl.)", lambda params: torch.optim.AdamW(params, **HP)))
     add(OptimizerProvider("sync_offload", "sync offload (r=0, U=1, no overlap)",
                           zen(topk_ratio=0.0, update_interval=1, overlap=False), zenflow=True))
-    if "sync_offload_allcores" in extra:
-        threads = os.cpu_count() or 1
-        add(OptimizerProvider("sync_offload_allcores", f"sync offload, cpu_threads={threads}",
-                              zen(topk_ratio=0.0, update_interval=1, overlap=False, cpu_threads=threads),
-                              zenflow=True, note="diagnostic: the step waits anyway, so the host kernel may use "
-                                                 "every core"))
     add(OptimizerProvider("zenflow", "ZenFlow r=0.1, U=4", zen(topk_ratio=0.1, update_interval=4), zenflow=True))
     if auto and auto_unavailable_reason() is None:
         add(OptimizerProvider("zenflow_auto", "ZenFlow auto", zen(topk_ratio="auto", update_interval="auto"),
@@ -591,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     weights = make_weights(args.params)
     grads = gradient_sets(weights)
     offloadable = sum(w.numel() for w in weights if w.dim() >= 2)
-    providers = optimizer_providers(cpu_threads=args.cpu_threads, extra=("sync_offload_allcores",))
+    providers = optimizer_providers(cpu_threads=args.cpu_threads)
     if args.only:
         providers = {k: v for k, v in providers.items() if k in args.only or k == "torch_adamw_fused"}
     auto_reason = auto_unavailable_reason()

@@ -209,6 +209,37 @@ def test_simulation_adam_l2_bf16_and_clipping() -> None:
                              dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_simulation_all_on_host_sync(dtype: torch.dtype) -> None:
+    """The synchronous one-step windows on CPU tensors read the model's gradient in place and write the parameter
+    directly (an fp32 parameter is its own host master): same trajectory as the simulation."""
+    opt = check_against_simulation(backend="numba", overlap=False, warmup=2, r=0.0, interval=1, select=8, steps=12,
+                                   dtype=dtype)
+    st = opt.stats()
+    # fp32: m, v and the landing buffer (no copy of the master); 16-bit: master, m, v, landing buffer and snapshot.
+    # The small test weights add per-column step counts and 64-byte alignment: under half a byte per parameter.
+    expected = 12.0 if dtype == torch.float32 else 18.0
+    assert expected <= st["host_bytes_per_param"] < expected + 0.5
+    opt.close()
+
+
+def test_fp16_gradient_read_in_place() -> None:
+    """An fp16 weight in the synchronous mode: the host kernel reads the fp16 gradient itself. (A whole fp16 model
+    cannot run the simulation test: torch's resident AdamW divides by an eps that fp16 rounds to zero.)"""
+    gen = torch.Generator().manual_seed(5)
+    w = nn.Parameter(torch.randn(40, 70, generator=gen).to(torch.float16))
+    sim = Simulation(w.detach(), r=0.0, interval=1, select=8, warmup=0, overlap=False)
+    opt = ZenFlowAdamW([w], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, topk_ratio=0.0, update_interval=1,
+                       overlap=False, min_offload_numel=1024)
+    for i in range(6):
+        w.grad = torch.randn(40, 70, generator=gen).mul_(0.1 * (i + 1)).to(torch.float16)
+        opt.step()
+        sim.step(w.grad, 1e-2, 0.9, 0.99, 1e-8, 0.1)
+        # One fp16 ulp where a master value sits next to a rounding boundary.
+        torch.testing.assert_close(w.detach(), sim.w, atol=1e-3, rtol=2**-10, msg=lambda m, i=i: f"step {i}: {m}")
+    opt.close()
+
+
 @pytest.mark.parametrize("r", [0.0, 1.0])
 def test_simulation_extreme_ratios_with_overlap(r: float) -> None:
     check_against_simulation(backend="torch", overlap=True, warmup=0, r=r, interval=2, select=4, steps=10)

@@ -52,6 +52,8 @@ class _Runtime:
     unselected: torch.Tensor  # CPU int32 [C]: 1 where the host updates the column
     selected: torch.Tensor  # device int32 [C]: 1 where the device updates the column
     num_unselected: int
+    # The host master is the parameter's own memory (fp32 parameters on the CPU with overlap=False, see _allocate).
+    master_is_param: bool = False
     d2h_done: torch.cuda.Event | None = None  # acc may be overwritten only after its copy left the device
 
 
@@ -93,7 +95,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         warmup_steps: steps of synchronous AdamW on every element before selection starts.
         overlap: apply each window's host result one window late instead of waiting for it.
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
-        cpu_threads: numba threads of the host worker (None: all cores but one).
+        cpu_threads: numba threads of the host worker (None: all cores but one, and every core for a window that
+            step() waits for anyway: warm-up steps and ``overlap=False``).
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
@@ -101,6 +104,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
     stops the worker; it also stops at interpreter exit.
+
+    On CPU tensors (no GPU) "device" and host memory are one, and three copies are skipped: a one-step window
+    that step() waits for (warm-up; ``update_interval=1, overlap=False`` with no selected column) reads the
+    gradient in place and writes the parameter directly; ``acc`` and the landing buffer trade places at each
+    window end; and with ``overlap=False`` an fp32 parameter is its own host master (``state["host_master"]``
+    is a view of it, so ``load_state_dict()`` writes the saved master into the parameter). With
+    ``topk_ratio=0`` no column scores are kept (nothing would read them).
     """
 
     _decoupled = True
@@ -227,7 +237,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         sd = super().state_dict()
         # New per-parameter dicts: torch packs the live ones, which must keep pointing at the slab.
         sd["state"] = {
-            pid: {k: (v.clone() if k in _HOST_KEYS else v) for k, v in st.items()} for pid, st in sd["state"].items()
+            pid: {k: (v.clone() if _is_host_array(k, v) else v) for k, v in st.items()}
+            for pid, st in sd["state"].items()
         }
         sd["zenflow"] = {
             "topk_ratio": self._topk_ratio,
@@ -424,20 +435,34 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         energy_sel = energy_all = 0.0
         changed = 0
         selected_any = False
-        ending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        ending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]] = []
         sync = not self.config.overlap
+        # With topk_ratio=0 no column is ever selected, so nothing would read the scores: skip them.
+        scores = self._topk_ratio != 0
         for group, p in offloaded:
             st, rt = self.state[p], self._runtime[p]
             st["step"] += 1
             tau = st["step"] - warmup
             w2, g2 = p.view(rt.rows, rt.cols), p.grad.view(rt.rows, rt.cols)
-            update_score = True
+            update_score = scores
             if tau >= 1 and (tau - 1) % select == 0:
-                ops.column_sumsq_(st["score"], g2)
+                if scores:
+                    ops.column_sumsq_(st["score"], g2)
                 e_sel, e_all, n_changed = self._reselect(p)
                 energy_sel, energy_all, changed = energy_sel + e_sel, energy_all + e_all, changed + n_changed
                 selected_any = True
                 update_score = False
+            window_end = tau <= 0 or tau % interval == 0
+            if (p.device.type == "cpu" and window_end and (tau <= 0 or not self.config.overlap)
+                    and st["acc_count"] == 0 and rt.num_unselected == rt.cols):
+                # A window of this step alone, applied before step() returns, with no column on the device: on
+                # CPU tensors the host kernel reads this gradient where it is and writes the parameter itself.
+                # That skips the device pass (acc = g) and the landing copy: 7 streams instead of 13.
+                if update_score:
+                    ops.column_sumsq_(st["score"], g2)
+                ending.append((group, p, g2.detach()))
+                sync = sync or tau <= 0
+                continue
             if rt.d2h_done is not None and st["acc_count"] == 0:
                 # This step overwrites acc, which the copy stream may still be reading for the host job.
                 torch.cuda.current_stream(p.device).wait_event(rt.d2h_done)
@@ -454,11 +479,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             st["acc_count"] += 1
             if tau <= 0:
                 # Warm-up: every element gets this step's AdamW update synchronously, on the host.
-                ending.append((group, p))
+                ending.append((group, p, None))
                 sync = True
-            elif tau % interval == 0:
+            elif window_end:
                 if rt.num_unselected:
-                    ending.append((group, p))
+                    ending.append((group, p, None))
                 else:
                     st["acc_count"] = 0
         if selected_any:
@@ -488,8 +513,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._stats.h2d_bytes += h2d
         return energy_sel, energy_all, changed
 
-    def _end_windows(self, ending: list[tuple[dict[str, Any], torch.Tensor]], *, sync: bool) -> None:
-        """DESIGN §5: wait for the previous job and apply it, ship this window's sums, submit the next job."""
+    def _end_windows(self, ending: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]], *,
+                     sync: bool) -> None:
+        """DESIGN §5: wait for the previous job and apply it, ship this window's sums, submit the next job.
+
+        ``ending`` holds (group, param, gradient): the gradient is None for a window summed in ``acc``, or the
+        parameter's own gradient for a one-step synchronous window on CPU tensors (see ``_offloaded_step``).
+        """
         self._wait_job(merge=True)
         device = ending[0][1].device
         cuda = device.type == "cuda"
@@ -499,38 +529,55 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             compute = torch.cuda.current_stream(device)
             copy = self._get_copy_stream(device)
             sources = []
-            for _, p in ending:
+            for _, p, _ in ending:
                 acc = self.state[p]["acc"]
                 src = acc.to(torch.bfloat16) if self.config.grad_dtype == "bfloat16" else acc
                 sources.append(src)
             # The copies may start only after this step's fused kernels finished writing acc.
             copy.wait_stream(compute)
             with torch.cuda.stream(copy):
-                for (_, p), src in zip(ending, sources):
+                for (_, p, _), src in zip(ending, sources):
                     self._runtime[p].grad.copy_(src, non_blocking=True)
                     src.record_stream(copy)
                 ready = torch.cuda.Event()
                 ready.record(copy)
-        for group, p in ending:
+        for group, p, direct_grad in ending:
             st, rt = self.state[p], self._runtime[p]
-            if not cuda:
-                rt.grad.copy_(st["acc"])
-            else:
+            snapshot = rt.snapshot
+            if direct_grad is not None:
+                grad, count = direct_grad, 1
+                # The kernel writes the parameter: through the master itself, or as the snapshot it rounds into.
+                snapshot = None if rt.master_is_param else p.detach().view(rt.rows, rt.cols)
+            elif cuda:
+                grad, count = rt.grad, st["acc_count"]
                 rt.d2h_done = ready
-            self._stats.d2h_bytes += rt.grad.numel() * rt.grad.element_size()
+            elif rt.grad.dtype == st["acc"].dtype:
+                # CPU tensors: acc and the landing buffer are both host memory, so they trade places instead of
+                # copying (12 bytes per parameter and window saved); the next window overwrites the other one.
+                st["acc"], rt.grad = rt.grad, st["acc"]
+                grad, count = rt.grad, st["acc_count"]
+            else:
+                rt.grad.copy_(st["acc"])
+                grad, count = rt.grad, st["acc_count"]
+            self._stats.d2h_bytes += grad.numel() * grad.element_size()
             beta1, beta2 = group["betas"]
             items.append(HostItem(
                 master=st["host_master"], exp_avg=st["host_exp_avg"], exp_avg_sq=st["host_exp_avg_sq"],
-                grad=rt.grad, slot=rt.host_slot, unselected=rt.unselected, col_step=st["host_col_step"],
-                snapshot=rt.snapshot, count=st["acc_count"], lr=float(group["lr"]), beta1=float(beta1),
+                grad=grad, slot=rt.host_slot, unselected=rt.unselected, col_step=st["host_col_step"],
+                snapshot=snapshot, count=count, lr=float(group["lr"]), beta1=float(beta1),
                 beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                 decoupled=self._decoupled,
             ))
             st["acc_count"] = 0
-            st["pending"] = True
+            # A result written straight into the parameter needs no merge.
+            st["pending"] = not (direct_grad is not None or rt.master_is_param)
         self._stats.windows += 1
-        future = self._worker.submit(run_host_job, items, ready, self._cpu_threads)
-        self._job = _Job(future=future, params=[p for _, p in ending])
+        # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
+        threads = self._cpu_threads
+        if sync and self.config.cpu_threads is None:
+            threads = max(threads, os.cpu_count() or 1)
+        future = self._worker.submit(run_host_job, items, ready, threads)
+        self._job = _Job(future=future, params=[p for _, p, _ in ending])
         if sync:
             self._wait_job(merge=True)
 
@@ -581,12 +628,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def _allocate(self, params: list[torch.Tensor]) -> None:
-        """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers."""
+        """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers.
+
+        An fp32 parameter on the CPU with ``overlap=False`` is its own host master: every host result is due in
+        the parameter when ``step()`` returns, so a separate copy would only add a stream to every host pass.
+        """
         requests: list[tuple[tuple[int, ...], torch.dtype]] = []
         grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
-        for p in params:
+        alias = [p.device.type == "cpu" and p.dtype == torch.float32 and not self.config.overlap for p in params]
+        for p, own_master in zip(params, alias):
             rows, cols = matrix_shape(p)
-            requests += [((rows, cols), torch.float32)] * 3
+            requests += [((rows, cols), torch.float32)] * (2 if own_master else 3)
             requests += [((cols,), torch.int32), ((rows, cols), grad_dtype)]
             if p.dtype != torch.float32:
                 requests.append(((rows, cols), p.dtype))
@@ -594,10 +646,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         slab = HostSlab(requests, pin=pin)
         self._slabs.append(slab)
         views = iter(slab.views)
-        for p in params:
+        for p, own_master in zip(params, alias):
             rows, cols = matrix_shape(p)
             st = self.state[p] = {}
-            st["host_master"], st["host_exp_avg"], st["host_exp_avg_sq"] = next(views), next(views), next(views)
+            st["host_master"] = p.detach().view(rows, cols) if own_master else next(views)
+            st["host_exp_avg"], st["host_exp_avg_sq"] = next(views), next(views)
             st["host_col_step"] = next(views)
             grad = next(views)
             snapshot = next(views) if p.dtype != torch.float32 else None
@@ -605,6 +658,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 rows=rows, cols=cols, grad=grad, snapshot=snapshot,
                 host_slot=torch.empty(cols, dtype=torch.int32), unselected=torch.empty(cols, dtype=torch.int32),
                 selected=torch.empty(cols, dtype=torch.int32, device=p.device), num_unselected=cols,
+                master_is_param=own_master,
             )
 
     def _init_offloaded(self, p: torch.Tensor) -> None:
@@ -612,7 +666,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         rows, cols = rt.rows, rt.cols
         dev = p.device
         st["step"] = 0
-        st["host_master"].copy_(p.detach().view(rows, cols))
+        if not rt.master_is_param:
+            st["host_master"].copy_(p.detach().view(rows, cols))
         st["host_exp_avg"].zero_()
         st["host_exp_avg_sq"].zero_()
         st["host_col_step"].zero_()
@@ -718,6 +773,12 @@ class ZenFlowAdam(ZenFlowAdamW):
     """Adam with L2-coupled weight decay (``torch.optim.Adam``'s ``weight_decay``), with ZenFlow offloading."""
 
     _decoupled = False
+
+
+def _is_host_array(key: str, value: Any) -> bool:
+    """A state entry that may be a view into a host slab (on CPU tensors acc trades places with the landing
+    buffer) or into the parameter itself (a master that is the parameter): ``state_dict()`` copies those."""
+    return key in _HOST_KEYS or (key == "acc" and value.device.type == "cpu")
 
 
 def _check_group_hparams(**kw: Any) -> None:
