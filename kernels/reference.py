@@ -27,6 +27,7 @@ from ._checks import (
 
 __all__ = [
     "adam_update_",
+    "adam_update_foreach_",
     "column_sumsq_",
     "fused_step_",
     "merge_",
@@ -74,6 +75,39 @@ def adam_update_(
         bc2_sqrt = (1 - beta2**step) ** 0.5
         denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def adam_update_foreach_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+) -> None:
+    """:func:`adam_update_` with an int ``step`` on lists of tensors (one device and dtype), through torch's
+    ``_foreach`` ops: the same ops element for element, one Python call per op instead of one per op and tensor
+    (many small resident parameters: biases, norms)."""
+    if weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
 
 
 def column_sumsq_(score: torch.Tensor, grad: torch.Tensor) -> None:

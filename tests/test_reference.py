@@ -141,3 +141,23 @@ def test_fused_step_rejects_bad_input(change, error, match) -> None:
     param, grad = args.pop("param"), args.pop("grad")
     with pytest.raises(error, match=match):
         ref.fused_step_(param, grad, **args)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_update_foreach_equals_per_tensor(decoupled, weight_decay) -> None:
+    """The batched resident update is the per-tensor one, bit for bit, over several steps and shapes."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(7,), (3, 5), (1,), (64,)]
+    a = [torch.randn(s, generator=gen) for s in shapes]
+    b = [t.clone() for t in a]
+    ma, va = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    mb, vb = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    hp = dict(lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)
+    for step in range(1, 6):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g, m, v in zip(a, grads, ma, va):
+            ref.adam_update_(p, g, m, v, step=step, **hp)
+        ref.adam_update_foreach_(b, grads, mb, vb, step=step, **hp)
+    for x, y in zip(a + ma + va, b + mb + vb):
+        assert torch.equal(x, y)

@@ -410,16 +410,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return offloaded
 
     def _resident_step(self) -> None:
+        """Plain AdamW on every resident parameter, batched per group, device, dtype and step count (one
+        ``_foreach`` call per op: a model has several small resident tensors per layer)."""
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            buckets: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None or is_offloaded(p, self.config.min_offload_numel):
                     continue
                 st = self.state[p]
                 st["step"] += 1
-                reference.adam_update_(
-                    p, p.grad, st["exp_avg"], st["exp_avg_sq"], step=st["step"], lr=group["lr"], beta1=beta1,
-                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                buckets.setdefault((p.device, p.dtype, st["step"]), []).append(p)
+            for (_, _, step), ps in buckets.items():
+                sts = [self.state[p] for p in ps]
+                reference.adam_update_foreach_(
+                    ps, [p.grad for p in ps], [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
+                    step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=self._decoupled,
                 )
 
     def _offloaded_step(self, offloaded: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
