@@ -220,6 +220,9 @@ def test_simulation_all_on_host_sync(dtype: torch.dtype) -> None:
     # The small test weights add per-column step counts and 64-byte alignment: under half a byte per parameter.
     expected = 12.0 if dtype == torch.float32 else 18.0
     assert expected <= st["host_bytes_per_param"] < expected + 0.5
+    # topk_ratio=0 keeps no scores (nothing reads them) and reports no selected energy.
+    assert st["selected_energy_fraction"] == 0.0
+    assert all(not opt.state[p]["score"].any() for p in opt._runtime)
     opt.close()
 
 

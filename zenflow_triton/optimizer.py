@@ -495,7 +495,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     st["acc_count"] = 0
         if selected_any:
             self._stats.selections += 1
-            self._stats.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
+            if not scores:  # topk_ratio=0: nothing is selected, whatever the (unmeasured) energy
+                self._stats.selected_energy_fraction = 0.0
+            else:
+                self._stats.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
             self._stats.columns_changed_last_selection = changed
         if ending:
             self._end_windows(ending, sync=sync)
