@@ -461,21 +461,22 @@ def bf16_host_bytes_per_param(weights: Sequence[torch.Tensor]) -> float:
         return float(opt.stats()["host_bytes_per_param"])
 
 
-def op_costs(num_params: int, *, reps: int = 9) -> list[dict[str, Any]]:
-    """Single-thread cost of each operation a ZenFlow step is made of on CPU tensors, next to torch's fused AdamW
-    and plain copies of the same bytes (what each op would cost at memory speed).
+def op_costs(num_params: int, *, reps: int = 9, threads: int = 1) -> list[dict[str, Any]]:
+    """Cost of each operation a ZenFlow step is made of on CPU tensors, next to torch's fused AdamW and plain
+    copies of the same bytes (what each op would cost at memory speed).
 
-    One thread for torch and numba alike: a single-thread figure is the op's own cost, and it stays meaningful on
-    a shared 2-core machine where a parallel region stalls whenever another process holds one of its cores.
-    Sets the calling thread's torch and numba thread counts to 1 (a CLI mode; nothing runs after it).
+    One thread for torch and numba alike by default: a single-thread figure is the op's own cost, and it stays
+    meaningful on a shared 2-core machine where a parallel region stalls whenever another process holds one of its
+    cores; ``threads`` sets another count for both. Sets the calling thread's torch and numba thread counts (a CLI
+    mode; nothing runs after it).
     """
     import numba
 
     from zenflow_triton.kernels import cpu_fused_step as dev
     from zenflow_triton.kernels.cpu_adamw import host_adamw_
 
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
     weights = [w for w in make_weights(num_params) if w.dim() == 2]
     rows, cols = weights[0].shape
     k = -(-cols // 10)
@@ -511,7 +512,7 @@ def op_costs(num_params: int, *, reps: int = 9) -> list[dict[str, Any]]:
         def run() -> None:
             for i in range(len(weights)):
                 host_adamw_(snaps[i], accs[i], params[i], grads[i], count=4, slot=slot, col_step=col_step,
-                            num_threads=1, **hp)
+                            num_threads=threads, **hp)
         return run
 
     # (name, bytes per parameter the op must move at least, function)
@@ -539,13 +540,14 @@ def op_costs(num_params: int, *, reps: int = 9) -> list[dict[str, Any]]:
             times.append(time.perf_counter() - t0)
         best = min(times)
         out.append({"op": name, "bytes_per_param": nbytes, "min_s": best, "median_s": statistics.median(times),
-                    "GB/s": nbytes * n / best / 1e9, "params": n})
+                    "GB/s": nbytes * n / best / 1e9, "params": n, "threads": threads})
     return out
 
 
 def ops_markdown(rows: list[dict[str, Any]]) -> str:
     n = rows[0]["params"] / 1e6
-    lines = [f"| op (1 thread, {n:.1f}M fp32) | B/param | min ms | median ms | GB/s at min |",
+    t = rows[0]["threads"]
+    lines = [f"| op ({t} thread{'s' if t > 1 else ''}, {n:.1f}M fp32) | B/param | min ms | median ms | GB/s at min |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['op']} | {r['bytes_per_param']} | {r['min_s'] * 1e3:.1f} | {r['median_s'] * 1e3:.1f} "
@@ -566,7 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="provider names to run (torch_adamw_fused is always)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="ZenFlowAdamW cpu_threads (default: library's)")
     ap.add_argument("--ops", action="store_true",
-                    help="instead: single-thread cost of each operation of a ZenFlow step (the profile's breakdown)")
+                    help="instead: the cost of each operation of a ZenFlow step (the profile's breakdown)")
+    ap.add_argument("--threads", type=int, default=1, help="with --ops: torch and numba threads (default 1)")
     ap.add_argument("--max-round-s", type=float, default=60.0,
                     help="a provider whose rounds take longer than this stops after two rounds")
     ap.add_argument("--profile", default=None, metavar="PROVIDER",
@@ -574,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ops:
         print(f"# load {load_average()}")
-        print(ops_markdown(op_costs(args.params)))
+        print(ops_markdown(op_costs(args.params, threads=args.threads)))
         print(f"# load {load_average()}")
         return 0
 
