@@ -68,7 +68,7 @@ class Simulation:
     per-column step counts; ``w`` is what the model sees (stale on unselected columns with overlap)."""
 
     def __init__(self, p: torch.Tensor, *, r: float, interval: int, select: int, warmup: int, overlap: bool,
-                 decoupled: bool = True) -> None:
+                 decoupled: bool = True, grad_dtype: torch.dtype = torch.float32) -> None:
         self.rows = p.shape[0]
         self.cols = p.numel() // self.rows
         self.dtype = p.dtype
@@ -85,6 +85,7 @@ class Simulation:
         self.k = min(self.cols, math.ceil(round(r * self.cols, 6)))
         self.interval, self.select, self.warmup = interval, select, warmup
         self.overlap, self.decoupled = overlap, decoupled
+        self.grad_dtype = grad_dtype  # the host receives the window's sum rounded to this dtype
         self.snapshot: torch.Tensor | None = None
 
     def _adam(self, cols: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float, eps: float, wd: float):
@@ -115,7 +116,7 @@ class Simulation:
         self.score += g.double().pow(2).sum(0)
         everything = torch.arange(self.cols)
         if tau <= 0:
-            self._adam(everything, g, lr, b1, b2, eps, wd)
+            self._adam(everything, g.to(self.grad_dtype).float(), lr, b1, b2, eps, wd)
             self.w = self.master.to(self.dtype, copy=True)
             return
         if (tau - 1) % self.select == 0:
@@ -133,7 +134,8 @@ class Simulation:
         if tau % self.interval == 0 and unsel_cols.numel():
             if self.overlap:
                 self.flush()
-            self._adam(unsel_cols, self.acc[:, unsel_cols] / self.n, lr, b1, b2, eps, wd)
+            landed = self.acc.to(self.grad_dtype).float()
+            self._adam(unsel_cols, landed[:, unsel_cols] / self.n, lr, b1, b2, eps, wd)
             self.acc.zero_()
             self.n = 0
             if self.overlap:
@@ -148,19 +150,21 @@ class Simulation:
 def check_against_simulation(
     *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
     dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
-    device: str = "cpu",
+    device: str = "cpu", grad_dtype: str = "float32",
 ) -> ZenFlowAdamW:
     model = Net(dtype).to(device)
     twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy (on the CPU)
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
-                  warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend)
+                  warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend,
+                  grad_dtype=grad_dtype)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
     resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]
     ref = ref_cls(resident_twin, **hp, foreach=False)
     sims = {p: Simulation(p.detach().cpu(), r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
-                          decoupled=opt_cls is ZenFlowAdamW) for p in offloaded(model)}
+                          decoupled=opt_cls is ZenFlowAdamW, grad_dtype=getattr(torch, grad_dtype))
+            for p in offloaded(model)}
     # fp32 state differs from the simulation only by rounding (it computes the same math in another order);
     # bf16 parameters may land one bf16 ulp apart when a master value sits near a rounding boundary.
     atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-3, 2**-7)
@@ -224,6 +228,16 @@ def test_simulation_all_on_host_sync(dtype: torch.dtype) -> None:
     assert st["selected_energy_fraction"] == 0.0
     assert all(not opt.state[p]["score"].any() for p in opt._runtime)
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_simulation_bf16_gradient_landing(overlap: bool) -> None:
+    """grad_dtype="bfloat16": the host applies the window's sum rounded to bf16, in warm-up and synchronous
+    one-step windows too (on CPU tensors an fp32 gradient is then not read in place)."""
+    check_against_simulation(backend="numba", overlap=overlap, warmup=2, r=0.25, interval=2, select=4, steps=12,
+                             grad_dtype="bfloat16")
+    check_against_simulation(backend="numba", overlap=False, warmup=2, r=0.0, interval=1, select=4, steps=6,
+                             grad_dtype="bfloat16")
 
 
 def test_fp16_gradient_read_in_place() -> None:
@@ -644,6 +658,8 @@ def test_cuda_matches_simulation_every_step(backend: str, overlap: bool) -> None
                              device="cuda")
     check_against_simulation(backend=backend, overlap=overlap, warmup=0, r=0.3, interval=2, select=4, steps=12,
                              dtype=torch.bfloat16, device="cuda")
+    check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=2, select=4, steps=10,
+                             device="cuda", grad_dtype="bfloat16")
 
 
 @pytest.mark.gpu

@@ -461,7 +461,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 update_score = False
             window_end = tau <= 0 or tau % interval == 0
             if (p.device.type == "cpu" and window_end and (tau <= 0 or not self.config.overlap)
-                    and st["acc_count"] == 0 and rt.num_unselected == rt.cols):
+                    and st["acc_count"] == 0 and rt.num_unselected == rt.cols and self._lands_exactly(p)):
                 # A window of this step alone, applied before step() returns, with no column on the device: on
                 # CPU tensors the host kernel reads this gradient where it is and writes the parameter itself.
                 # That skips the device pass (acc = g) and the landing copy: 7 streams instead of 13.
@@ -502,6 +502,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._stats.columns_changed_last_selection = changed
         if ending:
             self._end_windows(ending, sync=sync)
+
+    def _lands_exactly(self, p: torch.Tensor) -> bool:
+        """Whether this parameter's gradient passes through the landing buffer unchanged, so the host kernel may
+        read it in place: with a bf16 landing buffer only bf16 gradients do (others would skip the rounding that
+        a GPU run applies, and CPU and GPU runs of one configuration would part ways)."""
+        return self.config.grad_dtype == "float32" or p.dtype == torch.bfloat16
 
     def _reselect(self, p: torch.Tensor) -> tuple[float, float, int]:
         st, rt = self.state[p], self._runtime[p]
