@@ -28,10 +28,14 @@ from ._triton_utils import (
 __all__ = ["fused_step_"]
 
 # Tile on CUDA. No GPU was available to measure, so this is reasoning, to be replaced by a measurement: a tile of
-# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their 64-bit offsets, which
-# keeps registers near 100 per thread (several resident programs per SM). In flight per program: 1024 elements of
-# grad + acc (6-8 KiB) and, on selected columns, 12 KiB of compact state; with ~6 programs per SM that is ~40-100 KiB
-# per SM, above the ~20 KiB per SM Little's law asks of an H100/H200 (~3.4-4.8 TB/s x ~0.7 us / 132 SMs).
+# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their 64-bit offsets.
+# Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) use 140-184
+# registers per thread, no spills; without state 21-56. So 2-3 resident programs per SM, not the ~6 first assumed:
+# ~20 registers per element in flight, and 8 x 128 with 8 warps or 4 x 128 with 4 warps (106-112 registers, half the
+# elements per thread) keep the same ~20 per element, so they put no more bytes in flight; 16 x 128 reaches 255.
+# In flight per program: 1024 elements of grad + acc (6-8 KiB) and, on selected columns, up to 12 KiB of compact
+# state; at 2-3 programs per SM that is ~15-25 KiB per SM, about (not well above) the ~20 KiB per SM Little's law
+# asks of an H100/H200 (~3.4-4.8 TB/s x ~0.7 us / 132 SMs). Measure before tuning.
 # 128 columns = 256-512 contiguous bytes per row: whole 128-byte lines. Fixed, never autotuned: BLOCK_R sets the
 # score summation order, and scores must be bitwise reproducible from run to run (resume must continue bit for bit).
 _BLOCK_R = 8
@@ -68,13 +72,18 @@ def _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_l
     pow1 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
     pow2 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
     e = steps
-    while tl.max(e, axis=0) > 0:
+    # The loop bound is reduced once, not once per iteration: on a GPU each tl.max is a cross-warp reduction (shared
+    # memory + barrier, ~17 of them at step ~1e5). x -> x >> 1 is monotone, so max(e >> i) == max(e) >> i and the
+    # loop runs exactly as many times as `while tl.max(e, axis=0) > 0` would: same results, bit for bit.
+    e_max = tl.max(e, axis=0)
+    while e_max > 0:
         odd = (e & 1) != 0
         pow1 = tl.where(odd, pow1 * base1, pow1)
         pow2 = tl.where(odd, pow2 * base2, pow2)
         base1 = base1 * base1
         base2 = base2 * base2
         e = e >> 1
+        e_max = e_max >> 1
     step_size = (lr / (1.0 - pow1)).to(tl.float32)
     bc2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)
     return step_size, bc2_sqrt
