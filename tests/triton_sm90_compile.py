@@ -1,0 +1,109 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) on a machine without a GPU, through the real launchers.
+
+Triton's interpreter (how CI runs the kernels) accepts code the GPU compiler rejects; this runs the compiler itself:
+frontend, TTGIR passes, LLVM, PTX and the ptxas bundled with triton. Each launcher is called on small CPU tensors
+with the kernel object replaced by a recorder, which turns the launch into a compilation for sm_90 of exactly the
+variant (dtypes, constexprs, integer specializations) that launch would have built. Nothing runs.
+
+Run by ``tests/test_triton_compile.py`` in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
+``@triton.jit`` builds interpreter objects that cannot be compiled). Prints one JSON line: the variants compiled,
+with the size of each one's cubin (ptxas ran), and the compile errors. Exit status 3 when this triton's internal
+compile API is not the one used here (``create_function_from_signature`` / ``_pack_args``, triton 3.x), so the caller
+can tell API drift from a kernel that does not compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET: the interpreter cannot compile"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+except ImportError as exc:  # pragma: no cover - depends on the installed triton
+    print(json.dumps({"api_error": f"{type(exc).__name__}: {exc}", "triton": triton.__version__}))
+    sys.exit(3)
+
+from zenflow_triton.kernels import _triton_utils, colnorm, fused_step, merge  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+compiled: list[dict] = []
+errors: list[dict] = []
+seen: set[str] = set()
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` compiles the variant for sm_90 instead."""
+
+    def __init__(self, name: str, kernel) -> None:
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            kwargs.setdefault("debug", False)
+            try:
+                binder = create_function_from_signature(self.kernel.signature, self.kernel.params, BACKEND)
+                bound, specialization, options = binder(*args, **kwargs)
+                options, signature, constexprs, attrs = self.kernel._pack_args(
+                    BACKEND, kwargs, bound, specialization, options)
+            except Exception:  # the internal API moved: not the kernel's fault
+                print(json.dumps({"api_error": traceback.format_exc(limit=3), "triton": triton.__version__}))
+                sys.exit(3)
+            key = f"{self.name} {specialization} {sorted((k, str(v)) for k, v in kwargs.items())}"
+            if key in seen:
+                return
+            seen.add(key)
+            try:
+                ck = triton.compile(ASTSource(self.kernel, signature, constexprs, attrs), target=TARGET,
+                                    options=options.__dict__)
+            except Exception as exc:
+                errors.append({"kernel": self.name, "variant": key, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                return
+            compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b""))})
+
+        return launch
+
+
+fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
+colnorm._column_sumsq_kernel = Recorder("column_sumsq", colnorm._column_sumsq_kernel)
+merge._merge_kernel = Recorder("merge", merge._merge_kernel)
+_triton_utils._add_partials_kernel = Recorder("add_partials", _triton_utils._add_partials_kernel)
+for module in (fused_step, colnorm, merge):
+    module.check_launch_device = lambda *a, **k: None  # CPU stand-ins for CUDA tensors: nothing is launched
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def fused(rows: int, cols: int, k: int, dtype: torch.dtype, **kw) -> None:
+    slot = torch.full((cols,), -1, dtype=torch.int32)
+    slot[:k] = torch.arange(k, dtype=torch.int32)
+    z = torch.zeros
+    fused_step.fused_step_(
+        z(rows, cols, dtype=dtype), z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
+        col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k), exp_avg_sq=z(rows, k),
+        acc=z(rows, cols), **HP, **kw)
+
+
+# The variants training builds: every param dtype, with and without selected columns, the first step of a window
+# (overwrite, scores into one split) and later ones (accumulate, scores through partials), AdamW and Adam-L2; a
+# tall matrix for the multi-split score path.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    fused(256, 384, 40, dtype, accumulate=True)
+    fused(256, 384, 0, dtype, accumulate=False, update_score=False)
+    column_sumsq_grad = torch.zeros(4096, 256, dtype=dtype)
+    colnorm.column_sumsq_(torch.zeros(256), column_sumsq_grad)
+    slot = torch.full((384,), -1, dtype=torch.int32)
+    slot[:40] = torch.arange(40, dtype=torch.int32)
+    merge.merge_(torch.zeros(256, 384, dtype=dtype), torch.zeros(256, 384, dtype=dtype), slot)
+fused(8192, 512, 52, torch.bfloat16, accumulate=True, decoupled=False)
+
+print(json.dumps({"triton": triton.__version__, "compiled": compiled, "errors": errors}))
