@@ -378,11 +378,19 @@ def machine_info() -> dict[str, Any]:
         rev, dirty = "unknown", []
     import numba
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "nproc": os.cpu_count(),
         "cpu_model": model,
         "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton_version,
         "numba": numba.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
