@@ -148,7 +148,7 @@ def _fused_step_kernel(
             m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
             v = v * beta2 + beta2_rest * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
-            p = p - tl.div_rn(m, denom) * step_size[None, :]
+            p = p - tl.div_rn(m * step_size[None, :], denom)  # reference: param.sub_(m.mul(step_size).div_(denom))
             tl.store(master_ptr + st_offs, p, mask=st_mask)
             tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
             tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
