@@ -240,6 +240,30 @@ def test_simulation_bf16_gradient_landing(overlap: bool) -> None:
                              grad_dtype="bfloat16")
 
 
+def test_new_parameter_storage_is_followed() -> None:
+    """``p.data = ...`` mid-training: like torch.optim.AdamW, the optimizer continues from the new values, also
+    where the parameter is its own host master (fp32 on CPU, overlap=False)."""
+    gen = torch.Generator().manual_seed(9)
+    init = torch.randn(48, 96, generator=gen)
+    grads = [torch.randn(48, 96, generator=gen) for _ in range(6)]
+    replacement = torch.randn(48, 96, generator=gen)
+
+    def run(make):
+        w = nn.Parameter(init.clone())
+        opt = make([w])
+        for i, g in enumerate(grads):
+            if i == 3:
+                w.data = replacement.clone()
+            w.grad = g.clone()
+            opt.step()
+        return w.detach()
+
+    ours = run(lambda ps: ZenFlowAdamW(ps, lr=1e-2, topk_ratio=0.0, update_interval=1, overlap=False,
+                                       min_offload_numel=1024))
+    ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
 def test_fp16_gradient_read_in_place() -> None:
     """An fp16 weight in the synchronous mode: the host kernel reads the fp16 gradient itself. (A whole fp16 model
     cannot run the simulation test: torch's resident AdamW divides by an eps that fp16 rounds to zero.)"""

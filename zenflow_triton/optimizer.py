@@ -451,6 +451,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             st["step"] += 1
             tau = st["step"] - warmup
             w2, g2 = p.view(rt.rows, rt.cols), p.grad.view(rt.rows, rt.cols)
+            if rt.master_is_param and st["host_master"].data_ptr() != p.data_ptr():
+                # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
+                # plain torch optimizer would read them, instead of updates landing in memory the model let go.
+                st["host_master"] = p.detach().view(rt.rows, rt.cols)
             update_score = scores
             if tau >= 1 and (tau - 1) % select == 0:
                 if scores:
