@@ -467,6 +467,7 @@ def test_frozen_and_gradless_params_untouched() -> None:
         (dict(backend="cuda"), "backend"),
         (dict(grad_dtype="float16"), "grad_dtype"),
         (dict(cpu_threads=0), "cpu_threads"),
+        (dict(cpu_threads=10_000), "at most .* numba threads"),  # more than this process can run
         (dict(lr=torch.tensor(0.1)), "Tensor learning rate"),
     ],
 )
@@ -707,3 +708,29 @@ def test_cuda_checkpoint_loads_onto_cpu_and_back() -> None:
         assert all(torch.isfinite(p).all() for p in other.parameters())
         opt2.close()
     opt.close()
+
+
+def test_host_threads_follow_cpu_affinity(monkeypatch) -> None:
+    """A process confined to fewer cores than the machine has (containers, batch jobs) never asks numba for more
+    threads than it can run: the default worker count and a synchronous window's count follow the affinity."""
+    import zenflow_triton.worker as worker
+
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 64)
+    seen: list[int] = []
+    import zenflow_triton.optimizer as optimizer
+
+    real = optimizer.run_host_job
+
+    def spy(items, ready, num_threads):
+        seen.append(num_threads)
+        return real(items, ready, num_threads)
+
+    monkeypatch.setattr(optimizer, "run_host_job", spy)
+    w = nn.Parameter(torch.randn(32, 128))
+    with ZenFlowAdamW([w], topk_ratio=0.0, update_interval=1, overlap=False, warmup_steps=1) as opt:
+        for _ in range(3):
+            w.grad = torch.randn(32, 128)
+            opt.step()
+        assert opt.stats()["cpu_threads"] == 1
+    assert seen == [1, 1, 1]

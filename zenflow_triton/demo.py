@@ -27,6 +27,7 @@ import torch
 
 from . import charlm
 from .optimizer import ZenFlowAdamW
+from .worker import host_thread_limit
 
 __all__ = ["main", "RunResult", "format_table"]
 
@@ -147,7 +148,7 @@ def _cpu_split(device: torch.device) -> tuple[int | None, int | None]:
     """
     if device.type != "cpu":
         return None, None
-    cores = os.cpu_count() or 1
+    cores = host_thread_limit()
     torch_threads = max(1, cores // 2)
     return torch_threads, max(1, cores - torch_threads)
 

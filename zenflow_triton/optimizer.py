@@ -26,7 +26,7 @@ from .host_memory import HostSlab
 from .kernels import reference
 from .kernels._checks import MODEL_DTYPES
 from .offload import HostItem, is_offloaded, matrix_shape, migrate_columns, run_host_job, select_columns
-from .worker import HostWorker, WorkerError
+from .worker import HostWorker, WorkerError, host_thread_limit
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
 
@@ -150,7 +150,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._select_interval: int | None = None
         if self._update_interval is not None:
             self._select_interval = cfg.resolved_select_interval()
-        self._cpu_threads = cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+        limit = host_thread_limit()
+        if cfg.cpu_threads is not None and cfg.cpu_threads > limit:
+            raise ValueError(f"Invalid cpu_threads: {cfg.cpu_threads} (this process can run at most {limit} numba "
+                             "threads: its CPU affinity, capped by NUMBA_NUM_THREADS)")
+        self._cpu_threads = cfg.cpu_threads or max(1, limit - 1)
         self._plan: Any = None
         self._ops: Any = None
         self._runtime: dict[torch.Tensor, _Runtime] = {}
@@ -267,7 +271,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._topk_ratio = zf.get("topk_ratio", self._topk_ratio)
         self._update_interval = zf.get("update_interval", self._update_interval)
         self._select_interval = zf.get("select_interval", self._select_interval)
-        self._cpu_threads = zf.get("cpu_threads", self._cpu_threads)
+        # cpu_threads stays this machine's: the thread count never changes results, and a checkpoint's may exceed
+        # what this process can run.
         for g, sg in zip(groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
         self.state.clear()
@@ -595,7 +600,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
         threads = self._cpu_threads
         if sync and self.config.cpu_threads is None:
-            threads = max(threads, os.cpu_count() or 1)
+            threads = max(threads, host_thread_limit())
         future = self._worker.submit(run_host_job, items, ready, threads)
         self._job = _Job(future=future, params=[p for _, p, _ in ending])
         if sync:
@@ -784,7 +789,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 logger.warning("select_interval=%d rounded up to %d, a multiple of the chosen update_interval=%d",
                                s, self._select_interval, self._update_interval)
         if self.config.cpu_threads is None:
-            self._cpu_threads = int(plan.cpu_threads)
+            self._cpu_threads = max(1, min(int(plan.cpu_threads), host_thread_limit()))
         logger.info("zenflow_triton auto: topk_ratio=%.3g update_interval=%d cpu_threads=%d: %s",
                     self._topk_ratio, self._update_interval, self._cpu_threads, plan.reason)
 

@@ -9,6 +9,7 @@ by the optimizer's next ``step()``. A job that never finishes, or a thread that 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -16,13 +17,25 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["HostWorker", "WorkerError"]
+__all__ = ["HostWorker", "WorkerError", "host_thread_limit"]
 
 logger = logging.getLogger("zenflow_triton")
 
 # How often a waiter checks that the worker thread is still alive. Short enough that a dead worker is
 # reported within a fraction of a second, long enough to cost nothing measurable (a wait is one syscall).
 _POLL_S = 0.05
+
+
+def host_thread_limit() -> int:
+    """The most threads a host job can use: the cores this process may run on (its CPU affinity: a container or a
+    batch job often gets fewer than ``os.cpu_count()``), capped by numba's thread pool (``NUMBA_NUM_THREADS``)."""
+    import numba
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, numba.config.NUMBA_NUM_THREADS))
 
 
 class WorkerError(RuntimeError):
