@@ -55,6 +55,10 @@ def adam_update_(
     one count per column (last dimension) whose bias corrections are computed in float64 like torch's.
     ``decoupled=False`` is Adam with L2-coupled weight decay (``torch.optim.Adam``'s ``weight_decay``).
     """
+    if not isinstance(step, torch.Tensor):
+        adam_update_foreach_([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1, beta2=beta2,
+                             eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        return
     if weight_decay != 0:
         if decoupled:
             param.mul_(1 - lr * weight_decay)
@@ -62,19 +66,13 @@ def adam_update_(
             grad = grad.add(param, alpha=weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    if isinstance(step, torch.Tensor):
-        s = step.to(torch.float64)
-        step_size = (lr / (1 - beta1**s)).to(torch.float32)
-        bc2_sqrt = (1 - beta2**s).sqrt().to(torch.float32)
-        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-        # addcdiv_(m, denom, value=-s) computes (-s * m) / denom on torch's CPU kernels; subtracting
-        # (s * m) / denom rounds the same way with s a per-column tensor.
-        param.sub_(exp_avg.mul(step_size).div_(denom))
-    else:
-        step_size = lr / (1 - beta1**step)
-        bc2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+    s = step.to(torch.float64)
+    step_size = (lr / (1 - beta1**s)).to(torch.float32)
+    bc2_sqrt = (1 - beta2**s).sqrt().to(torch.float32)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    # addcdiv_(m, denom, value=-s) computes (-s * m) / denom on torch's CPU kernels; subtracting
+    # (s * m) / denom rounds the same way with s a per-column tensor.
+    param.sub_(exp_avg.mul(step_size).div_(denom))
 
 
 def adam_update_foreach_(
@@ -91,9 +89,9 @@ def adam_update_foreach_(
     weight_decay: float,
     decoupled: bool = True,
 ) -> None:
-    """:func:`adam_update_` with an int ``step`` on lists of tensors (one device and dtype), through torch's
-    ``_foreach`` ops: the same ops element for element, one Python call per op instead of one per op and tensor
-    (many small resident parameters: biases, norms)."""
+    """One Adam(W) step with an int ``step`` on lists of tensors (one device and dtype), op for op as
+    ``torch.optim.AdamW`` / ``Adam`` (foreach=False), through torch's ``_foreach`` ops: one Python call per op for
+    all tensors (many small resident parameters: biases, norms). :func:`adam_update_` uses it for int steps."""
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)

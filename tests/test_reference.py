@@ -145,19 +145,24 @@ def test_fused_step_rejects_bad_input(change, error, match) -> None:
 
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adam_update_foreach_equals_per_tensor(decoupled, weight_decay) -> None:
-    """The batched resident update is the per-tensor one, bit for bit, over several steps and shapes."""
+def test_adam_update_foreach_equals_torch(decoupled, weight_decay) -> None:
+    """The batched update (resident parameters, and adam_update_ with an int step) is torch.optim.AdamW / Adam
+    (foreach=False), bit for bit, over several steps and shapes."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(7,), (3, 5), (1,), (64,)]
-    a = [torch.randn(s, generator=gen) for s in shapes]
-    b = [t.clone() for t in a]
-    ma, va = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
-    mb, vb = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
-    hp = dict(lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ours = [p.detach().clone() for p in params]
+    m, v = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(params, lr=3e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, foreach=False)
     for step in range(1, 6):
         grads = [torch.randn(s, generator=gen) for s in shapes]
-        for p, g, m, v in zip(a, grads, ma, va):
-            ref.adam_update_(p, g, m, v, step=step, **hp)
-        ref.adam_update_foreach_(b, grads, mb, vb, step=step, **hp)
-    for x, y in zip(a + ma + va, b + mb + vb):
-        assert torch.equal(x, y)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.adam_update_foreach_(ours, grads, m, v, step=step, lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                                 weight_decay=weight_decay, decoupled=decoupled)
+    for p, q, mi, vi in zip(params, ours, m, v):
+        assert torch.equal(p.detach(), q)
+        assert torch.equal(opt.state[p]["exp_avg"], mi)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], vi)
