@@ -5,7 +5,7 @@ AdamW, synchronous offload (``ZenFlowAdamW(topk_ratio=0, update_interval=1, over
 every step), ZenFlowAdamW with ``topk_ratio=0.1, update_interval=4``, and ZenFlowAdamW ``"auto"`` (skipped when the
 autotuner does not import).
 
-The model is ``zenflow_triton.charlm.CharLM`` at ``d_model=1024, n_layer=4``: 51M parameters, every weight matrix
+The model is ``zenflow_triton.demo.charlm.CharLM`` at ``d_model=1024, n_layer=4``: 51M parameters, every weight matrix
 offloaded. One benchmark round is one whole window (``update_interval`` steps; 4 for the torch providers), and the
 rounds cover ``select_interval / update_interval`` consecutive windows (one selection period, 64 steps at most), so
 the mean includes exactly the share of selection steps that training sees. Two variants:
@@ -33,7 +33,7 @@ import torch
 from common import SMOKE
 from report_cpu import auto_unavailable_reason, close_optimizer, gradient_sets, optimizer_memory, optimizer_providers
 
-from zenflow_triton.charlm import CharLM, CharLMConfig
+from zenflow_triton.demo.charlm import CharLM, CharLMConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE.type == "cuda"

@@ -1,6 +1,6 @@
 """End to end: fine-tuning a pretrained model with ZenFlowAdamW ends close to torch.optim.AdamW.
 
-A byte-level transformer (zenflow_triton.charlm) is pretrained on standard-library source, then fine-tuned on the
+A byte-level transformer (zenflow_triton.demo.charlm) is pretrained on standard-library source, then fine-tuned on the
 pydoc help topics twice, from the same weights, on the same batches, with the same hyperparameters: once with
 AdamW and once with ZenFlowAdamW(topk_ratio=0.1, update_interval=4), which updates 90% of every weight matrix's
 columns only once per 4-step window and one window late. The loss on held-out pydoc text must be within 8% of
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from zenflow_triton import ZenFlowAdamW
-from zenflow_triton.charlm import (
+from zenflow_triton.demo.charlm import (
     CharLMConfig,
     evaluate,
     load_corpora,

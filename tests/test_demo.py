@@ -1,6 +1,6 @@
 """The demo CLI (python -m zenflow_triton.demo) runs end to end and prints its comparison table.
 
-The runs call ``main(argv)`` in-process: that shares the pretrained weights cached by zenflow_triton.charlm between
+The runs call ``main(argv)`` in-process: that shares the pretrained weights cached by zenflow_triton.demo.charlm between
 the tests (about 4 s of pretraining once instead of per test); one subprocess run checks the ``-m`` entry point.
 Measured on the 2-core CI CPU: about 13 s for the whole file at light load (the --quick pretraining once, a few
 seconds; the subprocess, about 3 s of importing torch), 26 s with other jobs loading both cores.
