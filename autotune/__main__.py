@@ -21,16 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cache import (
-    ENV_VAR,
-    MEMORY_BUDGET_FRACTION,
-    ProfileError,
-    default_profile_path,
-    load_profile,
-    save_profile,
-)
-from .model import GRAD_BYTES, Plan, Profile, Targets, Workload, plan, shapes_for_param_count, stall_grid
+from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
+
+from .bridge import MEMORY_BUDGET_FRACTION
+from .cache import ENV_VAR, ProfileError, default_profile_path, load_profile, save_profile
+from .model import GRAD_BYTES, Plan, Targets, Workload, plan, shapes_for_param_count, stall_grid
 from .probes import ProbeSettings, probe_machine
+from .profile import Profile
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_PROBE_FAILED", "EXIT_NO_PROFILE", "EXIT_WRITE_FAILED",
            "EXIT_MISSING_DEPENDENCY"]
@@ -144,7 +141,7 @@ def _workload(profile: Profile, args: argparse.Namespace, params: float, step_ti
 
 
 def _plans(profile: Profile, args: argparse.Namespace) -> list[tuple[Workload, Plan]]:
-    targets = Targets(stall_fraction=args.target_stall)
+    targets = Targets(stall_fraction=args.target_stall, select_windows=DEFAULT_SELECT_WINDOWS)
     if args.params is not None:
         models = [(float(args.params), float(args.step_time))]
     else:
@@ -252,7 +249,8 @@ def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, target
     us = list(range(1, max(32, 2 * chosen.update_interval) + 1))  # the chosen U always inside, with room past it
     r_top = max(0.5, min(1.0, 2 * chosen.topk_ratio))
     rs = [r_top * i / 20 for i in range(21)]
-    grid = stall_grid(profile, workload, update_intervals=us, topk_ratios=rs, cpu_threads=chosen.cpu_threads)
+    grid = stall_grid(profile, workload, update_intervals=us, topk_ratios=rs, cpu_threads=chosen.cpu_threads,
+                      select_windows=DEFAULT_SELECT_WINDOWS)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     pct = [[100 * v for v in row] for row in grid]
     top = max(10.0, min(100.0, max(map(max, pct))))

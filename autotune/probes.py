@@ -6,7 +6,8 @@ What is measured (DESIGN §8):
   :class:`~zenflow_triton.host_memory.HostSlab` and a side copy stream;
 - the host AdamW kernel's throughput at each thread count, fp32 and bf16 gradient landing, on buffers
   larger than the last-level cache;
-- device memory bandwidth, free memory and name; the CPU model, core count and last-level cache;
+- device memory bandwidth, free memory and name (the CPU model, core count and last-level cache, which the
+  system states without timing, come from :mod:`.machine`);
 - host ``memcpy`` bandwidth and the torch backend's device-side ops on CPU tensors: on a machine without a
   GPU these stand in for PCIe and the Triton kernels (labelled as such; GPU figures are never invented).
 
@@ -17,26 +18,20 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import platform
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from .cache import machine_key
-from .model import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+from .machine import host_description, machine_key
+from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
 
 __all__ = [
     "ProbeSettings",
     "probe_machine",
-    "host_description",
-    "available_cores",
-    "cpu_model_name",
-    "last_level_cache_bytes",
     "measure_memcpy",
     "measure_pcie",
     "measure_host_adamw",
@@ -47,8 +42,6 @@ __all__ = [
 Progress = Callable[[str], None]
 
 MiB = 2**20
-# Fallback when sysfs does not say (containers, macOS): a typical server L3; only sizes the AdamW buffers.
-_DEFAULT_LLC_BYTES = 32 * MiB
 # Bytes the AdamW probe streams per element: fp32 master, m, v read and written, fp32 grad read, bf16
 # snapshot written. Buffers are sized from it to be several times the last-level cache, so the rate is the
 # memory-bound one the optimizer sees on real models, not a cache-resident one.
@@ -96,47 +89,7 @@ class ProbeSettings:
         return s
 
 
-# ------------------------------------------------------------------------------------------------ host
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity), which is what a worker thread pool can use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def last_level_cache_bytes() -> int:
-    """Size of the largest data or unified cache of CPU 0 (sysfs), or 32 MiB if the system does not say."""
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (index / "type").read_text().strip() == "Instruction":
-                continue
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1024, "M": MiB, "G": 2**30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * scale)
-    return best or _DEFAULT_LLC_BYTES
-
-
-def host_description() -> dict[str, object]:
-    return {"hostname": socket.gethostname(), "cpu_model": cpu_model_name(), "cpu_cores": available_cores(),
-            "llc_bytes": last_level_cache_bytes()}
+# ---------------------------------------------------------------------------------------------- timing
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -250,6 +203,11 @@ def measure_gpu_memory(
 # -------------------------------------------------------------------------------------------- host AdamW
 
 
+def _probe_hyperparams() -> dict[str, Any]:
+    """Typical fine-tuning values; the kernels' speed does not depend on them."""
+    return dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
 def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
     try:
         import numba
@@ -302,7 +260,7 @@ def measure_host_adamw(
     grad16.fill_(1e-3)
     slot = torch.full((cols,), -1, dtype=torch.int32)  # every column is the host's, as with topk_ratio=0
     col_step = torch.full((cols,), 10, dtype=torch.int32)
-    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hp = _probe_hyperparams()
 
     big = (master, exp_avg, exp_avg_sq, snapshot, slot, col_step)
 
@@ -367,7 +325,7 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     score = torch.zeros(cols)
     col_step = torch.full((cols,), 10, dtype=torch.int32)
     unselected = torch.full((cols,), -1, dtype=torch.int32)
-    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hp = _probe_hyperparams()
 
     def step(k: int) -> float:
         slot = torch.arange(cols, dtype=torch.int32) if k else unselected

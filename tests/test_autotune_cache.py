@@ -1,14 +1,12 @@
-"""Profile files (schema, versioning, location, machine key) and plan_for_optimizer's choice of profile."""
+"""Profile files: schema, versioning, location, and files written by earlier versions."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
-import torch
+from autotune_profiles import synthetic_profile
 
-from zenflow_triton.autotune import cache
 from zenflow_triton.autotune.cache import (
     ENV_VAR,
     SCHEMA,
@@ -18,45 +16,47 @@ from zenflow_triton.autotune.cache import (
     default_profile_path,
     find_profile,
     load_profile,
-    machine_key,
-    plan_for_optimizer,
     profile_to_json,
     save_profile,
 )
-from zenflow_triton.autotune.model import (
-    BandwidthCurve,
-    CpuAdamwRates,
-    DeviceOpRates,
-    GpuInfo,
-    Plan,
-    Profile,
-)
-from zenflow_triton.config import ZenFlowConfig
 
-
-def synthetic_profile(*, gpu: bool = False, key: str = "host__cpu__nogpu") -> Profile:
-    curve = BandwidthCurve(kind="memcpy", points=((1 << 20, 5e9), (64 << 20, 8e9)))
-    return Profile(
-        machine_key=key,
-        hostname="host",
-        cpu_model="cpu",
-        cpu_cores=4,
-        llc_bytes=32 << 20,
-        cpu_adamw=CpuAdamwRates(kernel="numba", numel=1 << 22,
-                                rates={"float32": {1: 3e8, 2: 5e8, 3: 6e8, 4: 6.1e8},
-                                       "bfloat16": {1: 3.5e8, 2: 6e8, 3: 7e8, 4: 7e8}},
-                                call_overhead_s={1: 2e-5, 2: 3e-5, 3: 3e-5, 4: 4e-5}),
-        memcpy=curve,
-        cpu_device=DeviceOpRates(source="synthetic", pass_rate=5e8, adam_rate=1e8, merge_rate=5e8),
-        gpu=GpuInfo(name="GPU", total_bytes=80 << 30, free_bytes=70 << 30, mem_bandwidth=2e12,
-                    h2d=BandwidthCurve(kind="pcie-h2d", points=((1 << 20, 2e10),)),
-                    d2h=BandwidthCurve(kind="pcie-d2h", points=((1 << 20, 2e10),))) if gpu else None,
-        gpu_unavailable=None if gpu else "synthetic: no CUDA",
-        quick=True,
-        created="2025-01-01T00:00:00+00:00",
-        versions={"torch": "x"},
-        durations={"total": 1.0},
-    )
+# synthetic_profile(gpu=True) as the schema-1 writer saved it before the autotuner was split into modules
+# (machine, profile, model, cache, bridge): files users already have must keep loading, unchanged.
+SCHEMA_1_FILE = """\
+{
+  "schema": "zenflow_triton.profile",
+  "schema_version": 1,
+  "machine_key": "host__cpu__nogpu",
+  "hostname": "host",
+  "cpu_model": "cpu",
+  "cpu_cores": 4,
+  "llc_bytes": 33554432,
+  "quick": true,
+  "created": "2025-01-01T00:00:00+00:00",
+  "versions": {"torch": "x"},
+  "durations": {"total": 1.0},
+  "cpu_adamw": {
+    "kernel": "numba",
+    "numel": 4194304,
+    "rates": {
+      "float32": {"1": 300000000.0, "2": 500000000.0, "3": 600000000.0, "4": 610000000.0},
+      "bfloat16": {"1": 350000000.0, "2": 600000000.0, "3": 700000000.0, "4": 700000000.0}
+    },
+    "call_overhead_s": {"1": 2e-05, "2": 3e-05, "3": 3e-05, "4": 4e-05}
+  },
+  "memcpy": {"kind": "memcpy", "points": [[1048576, 5000000000.0], [67108864, 8000000000.0]]},
+  "cpu_device": {"source": "synthetic", "pass_rate": 500000000.0, "adam_rate": 100000000.0, "merge_rate": 500000000.0},
+  "gpu": {
+    "name": "GPU",
+    "total_bytes": 85899345920,
+    "free_bytes": 75161927680,
+    "mem_bandwidth": 2000000000000.0,
+    "h2d": {"kind": "pcie-h2d", "points": [[1048576, 20000000000.0]]},
+    "d2h": {"kind": "pcie-d2h", "points": [[1048576, 20000000000.0]]}
+  },
+  "gpu_unavailable": null
+}
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -64,15 +64,7 @@ def private_cache(tmp_path, monkeypatch):
     """Never touch the real user cache, and start every test without a profile."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr(cache, "_probed", {})
     return tmp_path
-
-
-def test_machine_key_is_a_safe_file_name():
-    key = machine_key("node-7.cluster", "Intel(R) Xeon(R) Platinum 8480+ @ 2.0GHz", "NVIDIA H100 80GB HBM3")
-    assert key == "node-7.cluster__Intel-R-Xeon-R-Platinum-8480-2.0GHz__NVIDIA-H100-80GB-HBM3"
-    assert machine_key("h", "c", None).endswith("__nogpu")
-    assert "/" not in machine_key("a/b", "../..", "x y")
 
 
 def test_cache_dir_follows_xdg_and_env_var_overrides_the_file(tmp_path, monkeypatch):
@@ -131,70 +123,10 @@ def test_find_profile_uses_the_env_var_then_the_cache(tmp_path, monkeypatch):
     assert find_profile("k")[0].machine_key == "env"
 
 
-def _plan(**kw) -> Plan:
-    args = dict(offloaded_shapes=[(256, 1024)] * 4, param_dtype=torch.float32, grad_dtype="float32",
-                step_time_s=0.05, device=torch.device("cpu"), topk_ratio=None, update_interval=None)
-    args.update(kw)
-    return plan_for_optimizer(**args)
-
-
-def test_plan_for_optimizer_reads_the_env_var_profile(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env.json"))
-    save_profile(synthetic_profile(), tmp_path / "env.json")
-    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine",
-                        lambda *a, **k: pytest.fail("must not probe when a profile exists"))
-    plan = _plan()
-    assert isinstance(plan, Plan)
-    assert plan.profile_source == str(tmp_path / "env.json")
-    assert plan.cpu_threads == 3  # the best rate among 1..cores-1
-    assert plan.predicted_stall_s >= 0 and plan.predicted_host_s > 0 and plan.reason
-    ZenFlowConfig(**plan.config_fields())
-
-
-def test_plan_for_optimizer_probes_once_and_hints_at_the_cli(monkeypatch, caplog):
-    calls = []
-
-    def fake_probe(settings=None, **kw):
-        calls.append(settings)
-        return synthetic_profile()
-
-    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", fake_probe)
-    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
-        first = _plan()
-        second = _plan(step_time_s=0.1)
-    assert len(calls) == 1 and calls[0].quick  # a quick probe, memoized for the process
-    assert "python -m zenflow_triton.autotune" in caplog.text
-    assert first.profile_source == second.profile_source == "quick probe (this process)"
-    assert not (cache_dir()).exists()  # nothing written to the user's cache implicitly
-
-
-def test_plan_for_optimizer_keeps_fixed_values_and_handles_a_zero_step_time(caplog):
-    prof = synthetic_profile()
-    fixed = _plan(profile=prof, topk_ratio=0.3, update_interval=2)
-    assert (fixed.topk_ratio, fixed.update_interval) == (0.3, 2)
-    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
-        zero = _plan(profile=prof, step_time_s=0.0)
-    assert "step time" in caplog.text
-    assert zero.update_interval >= 1
-
-
-def test_plan_for_optimizer_validates_its_inputs():
-    prof = synthetic_profile()
-    with pytest.raises(ValueError, match="grad_dtype"):
-        _plan(profile=prof, grad_dtype="float16")
-    with pytest.raises(ValueError, match="param_dtype"):
-        _plan(profile=prof, param_dtype=torch.int8)
-    with pytest.raises(ValueError, match="offloaded shape"):
-        _plan(profile=prof, offloaded_shapes=[])
-
-
-def test_a_broken_cached_profile_falls_back_to_a_probe(monkeypatch, caplog):
-    key = cache.current_machine_key()
-    path = default_profile_path(key)
-    path.parent.mkdir(parents=True)
-    path.write_text("{broken")
-    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
-    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
-        plan = _plan()
-    assert "ignoring unusable profile" in caplog.text
-    assert plan.profile_source.startswith("quick probe")
+def test_a_file_written_before_the_split_loads_and_is_written_the_same(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(SCHEMA_1_FILE)
+    assert load_profile(path) == synthetic_profile(gpu=True)
+    written = profile_to_json(synthetic_profile(gpu=True))
+    assert written == json.loads(SCHEMA_1_FILE)
+    assert list(written) == list(json.loads(SCHEMA_1_FILE))  # same keys in the same order

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from autotune_profiles import synthetic_profile
 
 from zenflow_triton.autotune import __main__ as cli
-from zenflow_triton.autotune.cache import ENV_VAR, SCHEMA, SCHEMA_VERSION, load_profile
+from zenflow_triton.autotune.cache import ENV_VAR, SCHEMA, SCHEMA_VERSION, load_profile, save_profile
 
 # Small enough that a measuring run takes a fraction of a second once the numba kernel is compiled.
 TINY = ["--quick", "--adamw-numel", "16384", "--max-copy-bytes", "262144", "--quiet"]
@@ -155,3 +156,12 @@ def test_module_runs_as_a_script():
                           text=True, timeout=120)
     assert proc.returncode == 0
     assert "--quick" in proc.stdout and "Exit codes" in proc.stdout
+
+
+def test_plans_use_the_configs_select_windows(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "DEFAULT_SELECT_WINDOWS", 3)  # as if the optimizer's config said 3
+    path = save_profile(synthetic_profile(), tmp_path / "p.json")
+    code, out, err = run(["--load", str(path), "--json", "--params", "1e8", "--step-time", "0.5"], capsys)
+    assert code == cli.EXIT_OK, err
+    (plan,) = json.loads(out)["plans"]
+    assert plan["prediction"]["select_interval"] == 3 * plan["update_interval"]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import math
+import ast
 import random
+from pathlib import Path
 
 import pytest
 
+from zenflow_triton import config
+from zenflow_triton.autotune import model
 from zenflow_triton.autotune.model import (
     ACC_BYTES,
-    BandwidthCurve,
-    CpuAdamwRates,
-    DeviceOpRates,
-    GpuInfo,
-    Profile,
+    DEFAULT_SELECT_WINDOWS,
     Targets,
     Workload,
     choose_threads,
@@ -22,6 +21,7 @@ from zenflow_triton.autotune.model import (
     shapes_for_param_count,
     stall_grid,
 )
+from zenflow_triton.autotune.profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
 from zenflow_triton.config import ZenFlowConfig
 
 GB = 1e9
@@ -73,33 +73,7 @@ def make_workload(params: float = 1e9, step: float = 0.5, *, budget: float | Non
                     grad_dtype=grad_dtype, device=device, memory_budget_bytes=budget)
 
 
-# ------------------------------------------------------------------------------------------- curves
-
-
-def test_bandwidth_curve_interpolates_time_and_clamps_bandwidth_at_the_ends():
-    c = BandwidthCurve(kind="pcie-h2d", points=((1000, 1e6), (3000, 3e6)))
-    assert c.seconds(1000) == pytest.approx(1e-3)
-    assert c.seconds(3000) == pytest.approx(1e-3)
-    assert c.seconds(2000) == pytest.approx(1e-3)  # time is linear between measured sizes
-    assert c.seconds(500) == pytest.approx(500 / 1e6)  # below: the smallest size's bandwidth, not the peak's
-    assert c.seconds(6000) == pytest.approx(6000 / 3e6)
-    assert c.seconds(0) == 0.0
-    assert c.peak == 3e6
-
-
-@pytest.mark.parametrize("points", [(), ((10, 0.0),), ((10, 1.0), (5, 1.0)), ((0, 1.0),), ((10, math.nan),)])
-def test_bandwidth_curve_rejects_invalid_points(points):
-    with pytest.raises(ValueError):
-        BandwidthCurve(kind="x", points=points)
-
-
-def test_rates_use_the_measured_thread_count_at_or_below():
-    a = CpuAdamwRates(kernel="numba", numel=1, rates={"float32": {1: 1.0, 4: 4.0}}, call_overhead_s={1: 1e-5, 4: 2e-5})
-    assert a.rate("float32", 3) == 1.0
-    assert a.rate("float32", 9) == 4.0
-    assert a.overhead(4) == 2e-5
-    with pytest.raises(ValueError, match="bfloat16"):
-        a.rate("bfloat16", 1)
+# ------------------------------------------------------------------------------------------- shapes
 
 
 def test_shapes_for_param_count_covers_the_count():
@@ -305,3 +279,19 @@ def test_stall_grid_matches_predict():
     assert grid[1][0] == pytest.approx(predict(prof, w, topk_ratio=0.5, update_interval=1,
                                                cpu_threads=15).stall_fraction)
     assert grid[0][0] >= grid[0][1]  # a longer window never stalls more per step here
+
+
+# --------------------------------------------------------------------------------------------- purity
+
+
+def test_the_models_default_select_windows_is_the_configs():
+    # model.py may not import the config; its default (for bare-model callers) must still agree with it.
+    assert DEFAULT_SELECT_WINDOWS == config.DEFAULT_SELECT_WINDOWS
+    assert Targets().select_windows == config.DEFAULT_SELECT_WINDOWS
+
+
+def test_the_model_imports_nothing_outside_the_autotuner():
+    tree = ast.parse(Path(model.__file__).read_text())
+    absolute = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    absolute |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+    assert not {m for m in absolute if m and m.split(".")[0] == "zenflow_triton"}

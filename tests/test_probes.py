@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from zenflow_triton.autotune import probes
+from zenflow_triton.autotune import machine, probes
 from zenflow_triton.autotune.cache import load_profile, save_profile
 from zenflow_triton.autotune.probes import ProbeSettings, probe_machine
 
@@ -20,12 +17,6 @@ TINY = ProbeSettings(copy_sizes=(64 * 1024, MiB), copy_repeats=2, adamw_numel=1 
 @pytest.fixture(scope="module")
 def tiny_profile():
     return probe_machine(TINY)
-
-
-def test_host_description_is_plausible():
-    assert probes.available_cores() >= 1
-    assert probes.last_level_cache_bytes() >= 64 * 1024
-    assert probes.cpu_model_name()
 
 
 def test_memcpy_curve_is_positive_and_labelled():
@@ -67,7 +58,7 @@ def test_overrides_shrink_the_run():
 
 def test_probe_machine_on_this_host(tiny_profile, tmp_path):
     prof = tiny_profile
-    assert prof.cpu_cores == probes.available_cores()
+    assert prof.cpu_cores == machine.available_cores()
     assert prof.memcpy.peak > 0
     assert min(min(t.values()) for t in prof.cpu_adamw.rates.values()) > 0
     assert prof.durations["total"] > 0
@@ -76,13 +67,6 @@ def test_probe_machine_on_this_host(tiny_profile, tmp_path):
         assert "CUDA" in prof.gpu_unavailable
         assert prof.machine_key.endswith("__nogpu")
     assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
-
-
-def test_importing_the_package_compiles_nothing_and_leaves_cuda_alone():
-    code = ("import sys, torch, zenflow_triton.autotune, zenflow_triton.autotune.__main__; "
-            "assert 'numba' not in sys.modules, 'numba imported'; "
-            "assert not torch.cuda.is_initialized(), 'CUDA initialized'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.gpu

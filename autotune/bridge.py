@@ -1,0 +1,136 @@
+"""The optimizer's way into the autotuner: :func:`plan_for_optimizer`, what ``ZenFlowAdamW``'s ``"auto"`` calls.
+
+It finds this machine's profile (``$ZENFLOW_TRITON_PROFILE``, else the per-user cache, else a quick probe once
+per process), sets the device-memory budget from the memory free now, and asks the cost model (:mod:`.model`)
+for a plan, passing the optimizer's defaults from :mod:`zenflow_triton.config`. The autotuner never imports the
+optimizer: the optimizer calls this function with plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
+
+from .cache import ProfileError, default_profile_path, find_profile
+from .machine import current_machine_key
+from .model import GRAD_BYTES, Plan, Targets, Workload, plan
+from .profile import Profile
+
+__all__ = ["MEMORY_BUDGET_FRACTION", "plan_for_optimizer"]
+
+logger = logging.getLogger("zenflow_triton")
+
+# Share of the device's free memory the optimizer's device state may take: the rest absorbs allocator
+# fragmentation and the transient buffers of the device step (bf16 casts for the D2H, staging for the H2D).
+MEMORY_BUDGET_FRACTION = 0.9
+
+# Profiles measured by this process when none was on disk, by machine key: several optimizers in one
+# process probe once. Nothing is written to the user's cache implicitly; the CLI does that.
+_probed: dict[str, Profile] = {}
+_probe_lock = threading.Lock()
+
+
+def _profile_for(device_type: str) -> tuple[Profile, str]:
+    key = current_machine_key()
+    try:
+        found = find_profile(key)
+    except ProfileError as exc:
+        logger.warning("zenflow_triton autotune: ignoring unusable profile: %s", exc)
+        found = None
+    if found is not None:
+        profile, path = found
+        if profile.machine_key != key:
+            logger.warning("zenflow_triton autotune: profile %s was measured on %s, this machine is %s",
+                           path, profile.machine_key, key)
+        if device_type != "cuda" or profile.gpu is not None:
+            return profile, str(path)
+        logger.warning("zenflow_triton autotune: profile %s has no GPU figures (%s); measuring quickly instead",
+                       path, profile.gpu_unavailable)
+    with _probe_lock:
+        profile = _probed.get(key)
+        if profile is None or (device_type == "cuda" and profile.gpu is None):
+            from .probes import ProbeSettings, probe_machine
+
+            logger.warning(
+                "zenflow_triton autotune: no machine profile at %s; running a quick probe (a few seconds). "
+                "Run `python -m zenflow_triton.autotune` once for a full, saved profile.", default_profile_path(key)
+            )
+            profile = probe_machine(ProbeSettings.quick_settings())
+            _probed[key] = profile
+    return profile, "quick probe (this process)"
+
+
+def _dtype_bytes(param_dtype: Any) -> int:
+    size = getattr(param_dtype, "itemsize", None)
+    if size not in (2, 4):
+        raise ValueError(f"Invalid param_dtype: {param_dtype!r} (float32, bfloat16 or float16)")
+    return int(size)
+
+
+def plan_for_optimizer(
+    *,
+    offloaded_shapes: Sequence[tuple[int, int]],
+    param_dtype: Any,
+    grad_dtype: str,
+    step_time_s: float,
+    device: Any,
+    topk_ratio: float | None,
+    update_interval: int | None,
+    select_interval: int | None = None,
+    overlap: bool = True,
+    cpu_threads: int | None = None,
+    profile: Profile | None = None,
+    targets: Targets | None = None,
+) -> Plan:
+    """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
+
+    ``offloaded_shapes``: ``[R, C]`` of every offloaded parameter; ``param_dtype``: their torch dtype;
+    ``step_time_s``: seconds per training step spent outside ``step()`` (forward, backward, the rest of the
+    loop), e.g. the median over the warm-up; ``device``: the parameters' torch device. ``topk_ratio`` /
+    ``update_interval``: the user's fixed values, or None to choose. ``select_interval`` (None: the config's
+    ``DEFAULT_SELECT_WINDOWS`` windows), ``overlap`` and ``cpu_threads`` (None: choose) refine the prediction
+    when the user set them. ``targets``: the chooser's goals (None: :class:`Targets` with the config's
+    ``DEFAULT_SELECT_WINDOWS``).
+
+    The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
+    machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
+    ``python -m zenflow_triton.autotune``). The device-memory budget on CUDA is ``MEMORY_BUDGET_FRACTION`` of
+    the memory free now plus the fp32 accumulators, which the optimizer holds already when it plans; CPU
+    tensors have no budget.
+    """
+    import torch
+
+    device = torch.device(device)
+    if grad_dtype not in GRAD_BYTES:
+        raise ValueError(f"Invalid grad_dtype: {grad_dtype!r} (one of {sorted(GRAD_BYTES)})")
+    if not offloaded_shapes:
+        raise ValueError("plan_for_optimizer needs at least one offloaded shape")
+    if not (step_time_s > 0):
+        # A step time of zero (no samples) would make every window look unhideable; a tiny positive one
+        # gives the same answer (the host work is exposed) without dividing by zero.
+        logger.warning("zenflow_triton autotune: measured step time %r s; planning with 1 ms", step_time_s)
+        step_time_s = 1e-3
+    shapes = tuple((int(r), int(c)) for r, c in offloaded_shapes)
+    if profile is not None:
+        source = "given profile"
+    else:
+        profile, source = _profile_for(device.type)
+    budget: float | None = None
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    if kind == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        acc_held = sum(r * c for r, c in shapes) * 4
+        budget = MEMORY_BUDGET_FRACTION * free + acc_held
+    workload = Workload(shapes=shapes, step_time_s=float(step_time_s), param_bytes=_dtype_bytes(param_dtype),
+                        grad_dtype=grad_dtype, device=kind, memory_budget_bytes=budget)
+    if targets is None:
+        targets = Targets(select_windows=DEFAULT_SELECT_WINDOWS)
+    result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
+                  cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
+                  profile_source=source)
+    logger.debug("zenflow_triton autotune plan (%s): %s", source, result.reason)
+    return result

@@ -1,0 +1,99 @@
+"""plan_for_optimizer: its choice of profile (env var, cache, one quick probe), its checks, the config's defaults."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from autotune_profiles import synthetic_profile
+
+from zenflow_triton.autotune import bridge, machine
+from zenflow_triton.autotune.bridge import plan_for_optimizer
+from zenflow_triton.autotune.cache import ENV_VAR, cache_dir, default_profile_path, save_profile
+from zenflow_triton.autotune.model import Plan
+from zenflow_triton.config import ZenFlowConfig
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Never touch the real user cache, and start every test without a profile."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(bridge, "_probed", {})
+    return tmp_path
+
+
+def _plan(**kw) -> Plan:
+    args = dict(offloaded_shapes=[(256, 1024)] * 4, param_dtype=torch.float32, grad_dtype="float32",
+                step_time_s=0.05, device=torch.device("cpu"), topk_ratio=None, update_interval=None)
+    args.update(kw)
+    return plan_for_optimizer(**args)
+
+
+def test_plan_for_optimizer_reads_the_env_var_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env.json"))
+    save_profile(synthetic_profile(), tmp_path / "env.json")
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine",
+                        lambda *a, **k: pytest.fail("must not probe when a profile exists"))
+    plan = _plan()
+    assert isinstance(plan, Plan)
+    assert plan.profile_source == str(tmp_path / "env.json")
+    assert plan.cpu_threads == 3  # the best rate among 1..cores-1
+    assert plan.predicted_stall_s >= 0 and plan.predicted_host_s > 0 and plan.reason
+    ZenFlowConfig(**plan.config_fields())
+
+
+def test_plan_for_optimizer_probes_once_and_hints_at_the_cli(monkeypatch, caplog):
+    calls = []
+
+    def fake_probe(settings=None, **kw):
+        calls.append(settings)
+        return synthetic_profile()
+
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", fake_probe)
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        first = _plan()
+        second = _plan(step_time_s=0.1)
+    assert len(calls) == 1 and calls[0].quick  # a quick probe, memoized for the process
+    assert "python -m zenflow_triton.autotune" in caplog.text
+    assert first.profile_source == second.profile_source == "quick probe (this process)"
+    assert not (cache_dir()).exists()  # nothing written to the user's cache implicitly
+
+
+def test_plan_for_optimizer_keeps_fixed_values_and_handles_a_zero_step_time(caplog):
+    prof = synthetic_profile()
+    fixed = _plan(profile=prof, topk_ratio=0.3, update_interval=2)
+    assert (fixed.topk_ratio, fixed.update_interval) == (0.3, 2)
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        zero = _plan(profile=prof, step_time_s=0.0)
+    assert "step time" in caplog.text
+    assert zero.update_interval >= 1
+
+
+def test_plan_for_optimizer_validates_its_inputs():
+    prof = synthetic_profile()
+    with pytest.raises(ValueError, match="grad_dtype"):
+        _plan(profile=prof, grad_dtype="float16")
+    with pytest.raises(ValueError, match="param_dtype"):
+        _plan(profile=prof, param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="offloaded shape"):
+        _plan(profile=prof, offloaded_shapes=[])
+
+
+def test_a_broken_cached_profile_falls_back_to_a_probe(monkeypatch, caplog):
+    key = machine.current_machine_key()
+    path = default_profile_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text("{broken")
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        plan = _plan()
+    assert "ignoring unusable profile" in caplog.text
+    assert plan.profile_source.startswith("quick probe")
+
+
+def test_plan_for_optimizer_passes_the_configs_select_windows(monkeypatch):
+    monkeypatch.setattr(bridge, "DEFAULT_SELECT_WINDOWS", 3)  # as if the optimizer's config said 3
+    plan = _plan(profile=synthetic_profile(), update_interval=2)
+    assert plan.prediction.select_interval == 3 * 2
