@@ -22,12 +22,15 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .machine import host_description, machine_key
 from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+
+if TYPE_CHECKING:
+    from zenflow_triton.kernels import AdamHyperparams
 
 __all__ = [
     "ProbeSettings",
@@ -203,9 +206,11 @@ def measure_gpu_memory(
 # -------------------------------------------------------------------------------------------- host AdamW
 
 
-def _probe_hyperparams() -> dict[str, Any]:
+def _probe_hyperparams() -> AdamHyperparams:
     """Typical fine-tuning values; the kernels' speed does not depend on them."""
-    return dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    from zenflow_triton.kernels import AdamHyperparams
+
+    return AdamHyperparams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
 def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
@@ -267,7 +272,7 @@ def measure_host_adamw(
     def call(grad: torch.Tensor, threads: int, bufs: tuple[torch.Tensor, ...]) -> None:
         m, v, s, snap, sl, cs = bufs
         # count=4: a window's gradient is a sum, so the division path is the one that runs in practice.
-        kwargs = dict(count=4, slot=sl, col_step=cs, snapshot=snap, **hp)
+        kwargs = dict(count=4, slot=sl, col_step=cs, hp=hp, snapshot=snap)
         if kernel == "numba":
             host_adamw_(m, v, s, grad, num_threads=threads, **kwargs)
         else:
@@ -332,7 +337,7 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
         state = [torch.zeros(rows, k) for _ in range(3)]
         return _best_seconds(lambda: reference.fused_step_(
             param, grad, score=score, slot=slot, col_step=col_step, master=state[0], exp_avg=state[1],
-            exp_avg_sq=state[2], acc=acc, accumulate=True, **hp), repeats)
+            exp_avg_sq=state[2], acc=acc, hp=hp, accumulate=True), repeats)
 
     t_pass = step(0)
     t_all = step(cols)

@@ -1,14 +1,24 @@
 """Kernels of zenflow_triton, installed as ``zenflow_triton.kernels``.
 
-- ``reference``: plain-torch twins of every op (the oracle; the backend for CPU tensors).
+- ``hyperparams``: ``AdamHyperparams``, the validated record of lr, betas, eps, weight decay that every op takes.
+- ``device_ops``: ``DeviceOps``, the interface of the three device-side ops, and ``load_device_ops`` (backends).
+- ``reference``: plain-torch twins of every op (the oracle; backend ``"torch"``).
+- ``numba_device_ops``: numba, the device-side ops for CPU tensors (backend ``"numba"``).
+- ``triton_device_ops``: the three Triton launchers below, gathered (backend ``"triton"``).
 - ``fused_step``: Triton, one pass over a gradient (scores, AdamW on selected columns, accumulate the rest).
 - ``colnorm``: Triton, per-column squared norms alone (selection steps).
 - ``merge``: Triton, write the host snapshot into unselected columns.
 - ``cpu_adamw``: numba, masked AdamW over host buffers with a model-dtype snapshot in the same pass.
+- private: ``_checks`` (tensor checks shared by every op), ``_triton_utils`` and ``_numba_utils`` (pieces shared
+  by the Triton kernels, and by the two numba modules).
 
-Triton modules import triton lazily, so ``import zenflow_triton.kernels`` works without it.
+Triton and numba modules are imported on use (``load_device_ops`` imports them lazily), so
+``import zenflow_triton.kernels`` needs neither.
 """
 
 from . import reference
+from ._checks import MODEL_DTYPES
+from .device_ops import DeviceOps, load_device_ops
+from .hyperparams import AdamHyperparams
 
-__all__ = ["reference"]
+__all__ = ["MODEL_DTYPES", "AdamHyperparams", "DeviceOps", "load_device_ops", "reference"]

@@ -1,12 +1,11 @@
-"""Argument checks shared by every implementation of an op, so each raises the same clear error.
+"""Tensor argument checks shared by every implementation of an op, so each raises the same clear error.
 
-Every launcher calls one of the ``check_*`` functions before touching memory. Nothing here copies or
-converts: an in-place op handed a non-contiguous tensor must fail, since its update would land on a copy.
+Every launcher calls one of the ``check_*`` functions before touching memory; hyperparameters are checked once,
+when their ``AdamHyperparams`` record is built (``hyperparams.py``). Nothing here copies or converts: an in-place
+op handed a non-contiguous tensor must fail, since its update would land on a copy.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -16,10 +15,10 @@ __all__ = [
     "check_fused_step_args",
     "check_merge_args",
     "check_host_adamw_args",
-    "check_hyperparams",
     "check_slot_range",
 ]
 
+# The model (parameter) dtypes every op takes; the package exports it as ``zenflow_triton.kernels.MODEL_DTYPES``.
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,22 +53,6 @@ def _check_tensor(
             f"{name} must be contiguous (in-place ops never copy), got strides {t.stride()} for {_describe(t)}"
         )
     return t
-
-
-def check_hyperparams(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"Invalid {name}: {value!r} (a finite Python float)")
-    if lr < 0:
-        raise ValueError(f"Invalid lr: {lr}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta1: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta2: {beta2}")
-    if eps < 0:
-        raise ValueError(f"Invalid eps: {eps}")
-    if weight_decay < 0:
-        raise ValueError(f"Invalid weight_decay: {weight_decay}")
 
 
 def check_column_sumsq_args(score: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:

@@ -27,6 +27,9 @@ ulp of the step (tests/test_cpu_adamw.py bounds it).
 approximate reciprocals and square roots whose results differ between CPU models, so results would drift from
 torch's and from machine to machine; its ``nnan`` flag would also fold away the NaN branches of the bf16/fp16
 rounding. Results do not depend on the thread count: every element sees the same operations in the same order.
+
+The element-wise pieces this shares with ``numba_device_ops.py`` (fma and bit casts, bf16/fp16 rounding, gradient
+loads, snapshot stores, the moments, the packed scalar hyperparameters) are in ``_numba_utils.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,21 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._checks import check_host_adamw_args, check_hyperparams
+from ._checks import check_host_adamw_args
+from ._numba_utils import (
+    U32,
+    adamw_moments,
+    bf16_round,
+    bits_f32,
+    f16_round,
+    f32_bits,
+    flat_view,
+    fma,
+    load_grad,
+    scalar_hyperparams,
+    store_snap,
+)
+from .hyperparams import AdamHyperparams, require_hyperparams
 
 __all__ = ["host_adamw_", "warmup"]
 
@@ -76,48 +93,7 @@ _MIN_PARALLEL_ELEMS = 1 << 14
 _PARALLEL_PLAN_CHUNKS = 256
 
 
-# --- intrinsics: fma and bit casts, which numba does not expose as scalar operations -------------------------------
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once (``llvm.fma.f32``, one ``vfmadd`` per 8 lanes when the loop vectorizes)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """The IEEE bits of a float32 as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):
-    """The float32 whose IEEE bits are the low 32 bits of the integer ``u``."""
-    if not isinstance(u, types.Integer):
-        return None
-    sig = types.float32(u)
-
-    def codegen(context, builder, signature, args):
-        (x,) = args
-        width = signature.args[0].bitwidth
-        if width > 32:
-            x = builder.trunc(x, ir.IntType(32))
-        elif width < 32:
-            x = builder.zext(x, ir.IntType(32))
-        return builder.bitcast(x, ir.FloatType())
-
-    return sig, codegen
+# --- prefetch, an intrinsic numba does not expose (fma, bit casts and the bf16/fp16 conversions: _numba_utils.py) ---
 
 
 @intrinsic
@@ -152,123 +128,7 @@ def _prefetch_opt_impl(arr, i):
     return lambda arr, i: _prefetch(arr, i)
 
 
-# --- conversions ------------------------------------------------------------------------------------------------------
-# All arithmetic stays in uint32 (every constant typed) so the vectorized loop runs 8 lanes per AVX2 op, not 4.
-# Helpers are register_jitable (numba overloads): callable from jitted code only, so numba builds no Python or
-# cfunc wrapper for them (less to compile: 4.0 s per kernel specialization, from 6.4 s with inlined njit helpers).
-
-_U32 = np.uint32  # numba widens uint32 arithmetic to 64 bits; truncating every step lets LLVM keep 8 lanes
-_U1 = _U32(1)
-_U13 = _U32(13)
-_U16 = _U32(16)
-_BF16_QNAN = _U32(0x7FC0)  # c10::BFloat16's NaN (torch's scalar path; its AVX2 path gives 0xFFFF)
-
-
-@register_jitable
-def _bf16_round(x):
-    """float32 -> bf16 bits (uint32), round to nearest even by integer arithmetic; NaN -> 0x7FC0."""
-    u = _f32_bits(x)
-    r = _U32(_U32(u + _U32(_U32(u >> _U16) & _U1)) + _U32(0x7FFF)) >> _U16
-    return _BF16_QNAN if x != x else _U32(r)
-
-
-@register_jitable
-def _f16_round(x):
-    """float32 -> IEEE fp16 bits (uint32), round to nearest even, as ``vcvtps2ph`` / ``torch.Tensor.half()``.
-
-    Normal results round the mantissa by integer arithmetic (a carry rolls into the exponent, up to inf at
-    65520); subnormal results let the FPU round: ``|x| + 0.5`` has a ulp of 2^-24, the fp16 subnormal step.
-    NaN keeps its sign and top payload bits and becomes quiet, like the hardware conversion.
-    """
-    u = _f32_bits(x)
-    sign = _U32(u >> _U16) & _U32(0x8000)
-    a = u & _U32(0x7FFFFFFF)
-    t = _U32(a - _U32(0x38000000))  # rebias the exponent 127 -> 15 (garbage when a is small: not selected then)
-    normal = _U32(_U32(t + _U32(_U32(t >> _U13) & _U1)) + _U32(0x0FFF)) >> _U13
-    sub = _U32(_f32_bits(_bits_f32(a) + np.float32(0.5)) - _U32(0x3F000000))
-    h = _U32(normal) if a >= _U32(0x38800000) else sub  # 0x38800000 = 2^-14, the smallest normal fp16
-    h = _U32(0x7C00) if a >= _U32(0x47800000) else h  # |x| >= 65536 (from 65520 the carry gives inf)
-    h = _U32(_U32(0x7E00) | _U32(a >> _U13)) & _U32(0x7FFF) if a > _U32(0x7F800000) else h
-    return _U32(sign | h)
-
-
-@njit(nogil=True, cache=True)
-def _bf16_bits_array(x):
-    """bf16 bits (uint16) of a float32 array, by the kernel's rounding (for tests)."""
-    out = np.empty(x.shape[0], np.uint16)
-    for i in range(x.shape[0]):
-        out[i] = np.uint16(_bf16_round(x[i]))
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _f16_bits_array(x):
-    """fp16 bits (uint16) of a float32 array, by the kernel's rounding (for tests)."""
-    out = np.empty(x.shape[0], np.uint16)
-    for i in range(x.shape[0]):
-        out[i] = np.uint16(_f16_round(x[i]))
-    return out
-
-
-# Gradient and snapshot dtypes arrive as numpy views: fp32 as float32, bf16 as uint16, fp16 as int16 (numba has no
-# float16 on the CPU; the two 16-bit formats are told apart by the signedness of their integer view).
-
-
-def _load_grad(grad, i):  # pragma: no cover - typing stub, replaced by the overload below inside numba
-    raise NotImplementedError
-
-
-@overload(_load_grad)
-def _load_grad_impl(grad, i):
-    if grad.dtype == types.float32:
-        return lambda grad, i: grad[i]
-    if grad.dtype == types.uint16:
-        return lambda grad, i: _bits_f32(_U32(_U32(grad[i]) << _U16))
-    if grad.dtype == types.int16:  # fp16 (the device-side ops for CPU tensors read fp16 models' gradients)
-
-        def load_f16(grad, i):
-            h = _U32(np.uint16(grad[i]))
-            sign = (h & _U32(0x8000)) << _U16
-            e = (h >> _U32(10)) & _U32(0x1F)
-            mant = h & _U32(0x3FF)
-            if e == _U32(0):  # zero or subnormal: mant * 2^-24 is exact in fp32
-                mag = np.float32(mant) * np.float32(5.9604644775390625e-08)
-                return -mag if sign else mag
-            if e == _U32(0x1F):  # inf or NaN: keep the payload, quiet bit included
-                return _bits_f32(sign | _U32(0x7F800000) | (mant << _U13))
-            return _bits_f32(sign | ((e + _U32(112)) << _U32(23)) | (mant << _U13))
-
-        return load_f16
-    return None
-
-
-def _store_snap(snap, i, p):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_store_snap)
-def _store_snap_impl(snap, i, p):
-    if isinstance(snap, types.NoneType):
-        return lambda snap, i, p: None
-    if snap.dtype == types.float32:
-
-        def store_f32(snap, i, p):
-            snap[i] = p
-
-        return store_f32
-    if snap.dtype == types.uint16:
-
-        def store_bf16(snap, i, p):
-            snap[i] = np.uint16(_bf16_round(p))
-
-        return store_bf16
-    if snap.dtype == types.int16:
-
-        def store_f16(snap, i, p):
-            snap[i] = np.int16(_f16_round(p))
-
-        return store_f16
-    return None
+# --- masked snapshot store: the mixed runs' twin of _numba_utils.store_snap -----------------------------------------
 
 
 def _store_snap_masked(snap, i, p, mask):  # pragma: no cover - typing stub
@@ -291,14 +151,14 @@ def _store_snap_masked_impl(snap, i, p, mask):
     if snap.dtype == types.uint16:
 
         def store_bf16(snap, i, p, mask):
-            snap[i] = np.uint16(_U32(_bf16_round(p) & mask) | _U32(_U32(snap[i]) & _U32(~mask)))
+            snap[i] = np.uint16(U32(bf16_round(p) & mask) | U32(U32(snap[i]) & U32(~mask)))
 
         return store_bf16
     if snap.dtype == types.int16:
 
         def store_f16(snap, i, p, mask):
-            old = _U32(np.uint16(snap[i]))
-            snap[i] = np.int16(np.uint16(_U32(_f16_round(p) & mask) | _U32(old & _U32(~mask))))
+            old = U32(np.uint16(snap[i]))
+            snap[i] = np.int16(np.uint16(U32(f16_round(p) & mask) | U32(old & U32(~mask))))
 
         return store_f16
     return None
@@ -444,35 +304,16 @@ def _plan(slot, col_step, lr, beta1, beta2, chunk, block):
 
 
 # --- the kernel -----------------------------------------------------------------------------------------------------
-@register_jitable(error_model="numpy")
-def _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2):
-    """Decay and moments of one element, with torch's CPU rounding (fma where torch's kernels use one)."""
-    p = p * decay  # decoupled decay; decay == 1 (exact) for Adam-L2 or weight_decay == 0
-    g = _fma(l2, p, g) if coupled else g  # g.add(p, alpha=wd)
-    # lerp_: torch computes fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g), w - 1 folded into ``w``.
-    m = _fma(w, g - m, m if base_is_m else g)
-    v = _fma(omb2 * g, g, v * b2)  # mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    return p, m, v
-
-
-@register_jitable(error_model="numpy")
-def _adamw_elem(p, m, v, g, ss, bc2, decay, l2, coupled, w, base_is_m, b2, omb2, eps):
-    """One element of torch.optim.AdamW with torch's denominator ``sqrt(v) / bc2 + eps`` (``bc2`` is
-    sqrt(1 - beta2^step)). Not used here any more; kept for kernels/cpu_fused_step.py, which imports it."""
-    p, m, v = _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
-    denom = math.sqrt(v) / bc2 + eps
-    return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
-
 
 @register_jitable(error_model="numpy")
 def _adamw_step(p, m, v, g, ss, inv_bc2, hp):
-    """One element of this kernel's AdamW: ``g`` is the raw gradient sum, ``hp`` the tuple of ``_hyperparams``,
+    """One element of this kernel's AdamW: ``g`` is the raw gradient sum, ``hp`` the tuple of ``scalar_hyperparams``,
     and the denominator is ``fma(sqrt(v), 1 / bc2, eps)`` (module docstring)."""
     scale, count, divide, decay, l2, coupled, w, base_is_m, b2, omb2, eps, _ = hp
     g = g * scale  # 1 / count where that is exact (count a power of two), else 1
     g = g / count if divide else g  # other counts: divide, as torch does
-    p, m, v = _adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
-    denom = _fma(math.sqrt(v), inv_bc2, eps)  # torch: sqrt(v) / bc2 + eps
+    p, m, v = adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
+    denom = fma(math.sqrt(v), inv_bc2, eps)  # torch: sqrt(v) / bc2 + eps
     return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
 
 
@@ -485,7 +326,7 @@ def _blend(new, old, mask):
     ns/element updating every column, 0.77 with the masked store, 0.58 with and/or on a mask LLVM cannot prove to
     be all-ones-or-zero (see ``_run_mixed``).
     """
-    return _bits_f32(_U32(_U32(_f32_bits(new) & mask) | _U32(_f32_bits(old) & _U32(~mask))))
+    return bits_f32(U32(U32(f32_bits(new) & mask) | U32(f32_bits(old) & U32(~mask))))
 
 
 def _col(src, j):  # pragma: no cover - typing stub
@@ -536,12 +377,12 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_siz
         j1 = min(j0 + _BLOCK_U, b)
         for j in range(j0, j1):
             i = base + j
-            p, m, v = _adamw_step(master[i], exp_avg[i], exp_avg_sq[i], _load_grad(grad, i), _col(step_size, j),
+            p, m, v = _adamw_step(master[i], exp_avg[i], exp_avg_sq[i], load_grad(grad, i), _col(step_size, j),
                                   _col(inv_bc2, j), hp)
             master[i] = p
             exp_avg[i] = m
             exp_avg_sq[i] = v
-            _store_snap(snapshot, i, p)
+            store_snap(snapshot, i, p)
         j0 = j1
 
 
@@ -557,10 +398,10 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, st
             p0 = master[i]
             m0 = exp_avg[i]
             v0 = exp_avg_sq[i]
-            p, m, v = _adamw_step(p0, m0, v0, _load_grad(grad, i), _col(step_size, j), _col(inv_bc2, j), hp)
+            p, m, v = _adamw_step(p0, m0, v0, load_grad(grad, i), _col(step_size, j), _col(inv_bc2, j), hp)
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
-            mask = _U32(_U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
+            mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
             master[i] = _blend(p, p0, mask)
             exp_avg[i] = _blend(m, m0, mask)
             exp_avg_sq[i] = _blend(v, v0, mask)
@@ -595,32 +436,6 @@ def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, 
 # --- launcher ---------------------------------------------------------------------------------------------------------
 
 
-def _flat_view(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy 1-D numpy view; bf16 as uint16 bits, fp16 as int16 bits (see the overloads above)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy().reshape(-1)
-    return t.numpy().reshape(-1)  # contiguous (checked), so numpy's reshape is a view
-
-
-def _hyperparams(count: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 decoupled: bool) -> tuple:
-    """The kernel's scalar arguments, rounded to float32 exactly where torch rounds them (a Python scalar meeting
-    an fp32 tensor): (scale, count, divide, decay, l2, coupled, w, base_is_m, beta2, 1 - beta2, eps, ones)."""
-    pow2 = (count & (count - 1)) == 0  # 1 / count is exact: multiply instead of divide (same result, no divider)
-    scale = np.float32(1.0 / count) if pow2 else np.float32(1.0)
-    w = np.float32(1.0 - beta1)
-    base_is_m = bool(abs(w) < 0.5)  # torch's lerp switches formula at weight 0.5
-    if not base_is_m:
-        w = np.float32(w - np.float32(1.0))
-    wd = float(weight_decay)
-    coupled = bool(not decoupled and wd != 0.0)
-    decay = np.float32(1.0 - lr * wd) if decoupled and wd != 0.0 else np.float32(1.0)
-    return (scale, np.float32(count), not pow2, decay, np.float32(wd), coupled, w, base_is_m, np.float32(beta2),
-            np.float32(1.0 - beta2), np.float32(eps), np.uint32(0xFFFFFFFF))
-
-
 def _check_num_threads(num_threads: int | None) -> None:
     if num_threads is None:
         return
@@ -638,12 +453,7 @@ def host_adamw_(
     count: int,
     slot: torch.Tensor,
     col_step: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
     snapshot: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
@@ -663,7 +473,7 @@ def host_adamw_(
     """
     rows, cols = check_host_adamw_args(master, exp_avg, exp_avg_sq, grad, slot=slot, col_step=col_step,
                                        snapshot=snapshot, count=count)
-    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    require_hyperparams(hp)
     _check_num_threads(num_threads)
     if rows == 0 or cols == 0:
         return
@@ -674,17 +484,18 @@ def host_adamw_(
         if plan_threads != previous:
             numba.set_num_threads(plan_threads)
         slot_np = slot.numpy()
-        plan = _plan(slot_np, col_step.numpy(), float(lr), float(beta1), float(beta2), _CHUNK_COLS, _SKIP_BLOCK)
+        plan = _plan(slot_np, col_step.numpy(), float(hp.lr), float(hp.beta1), float(hp.beta2), _CHUNK_COLS,
+                     _SKIP_BLOCK)
         visited = plan[-1]
         if visited == 0:
             return
         kernel_threads = 1 if rows * visited < _MIN_PARALLEL_ELEMS else threads
         if kernel_threads != numba.get_num_threads():
             numba.set_num_threads(kernel_threads)
-        snap = None if snapshot is None else _flat_view(snapshot)
-        _host_adamw_kernel(_flat_view(master), _flat_view(exp_avg), _flat_view(exp_avg_sq), _flat_view(grad), snap,
+        snap = None if snapshot is None else flat_view(snapshot)
+        _host_adamw_kernel(flat_view(master), flat_view(exp_avg), flat_view(exp_avg_sq), flat_view(grad), snap,
                            cols, slot_np, *plan[:-1],
-                           _hyperparams(count, lr, beta1, beta2, eps, weight_decay, decoupled))
+                           scalar_hyperparams(count, hp))
     finally:
         if numba.get_num_threads() != previous:
             numba.set_num_threads(previous)
@@ -694,6 +505,7 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _SNAPSHOT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 _warm_lock = threading.Lock()
 _warmed: set[tuple[torch.dtype, torch.dtype | None]] = set()
+_WARMUP_HP = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
 
 def warmup(
@@ -716,5 +528,5 @@ def warmup(
                 z = torch.zeros
                 snap = None if sdt is None else z(1, 2, dtype=sdt)
                 host_adamw_(z(1, 2), z(1, 2), z(1, 2), z(1, 2, dtype=gdt), count=1, slot=slot, col_step=col_step,
-                            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, snapshot=snap)
+                            hp=_WARMUP_HP, snapshot=snap)
                 _warmed.add((gdt, sdt))

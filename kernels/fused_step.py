@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from ._checks import check_fused_step_args, check_hyperparams, check_slot_range
+from ._checks import check_fused_step_args, check_slot_range
 from ._triton_utils import (
     add_partials_,
     check_launch_device,
@@ -24,6 +24,7 @@ from ._triton_utils import (
     tl,
     triton,
 )
+from .hyperparams import AdamHyperparams, require_hyperparams
 
 __all__ = ["fused_step_"]
 
@@ -171,12 +172,7 @@ def fused_step_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     acc: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
@@ -202,7 +198,7 @@ def fused_step_(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
         exp_avg_sq=exp_avg_sq, acc=acc,
     )
-    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    require_hyperparams(hp)
     check_launch_device("param", param, _fused_step_kernel, __name__)
     if check_slots:
         check_slot_range(slot, k)
@@ -219,7 +215,8 @@ def fused_step_(
     # Scalars the reference rounds to fp32 before fp32 math are rounded here, once, so that the GPU and the
     # interpreter (which keeps Python floats as doubles) see the same values; the three the reference uses in
     # fp64 (bias corrections) travel as hi + lo fp32 pairs.
-    lr, beta1, beta2, eps, weight_decay = float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+    lr, beta1, beta2 = float(hp.lr), float(hp.beta1), float(hp.beta2)
+    eps, weight_decay = float(hp.eps), float(hp.weight_decay)
     lerp_w = _f32(1.0 - beta1)
     param_bits = param.view(torch.uint16) if param.dtype == torch.bfloat16 else param
     with device_guard(param):
@@ -230,7 +227,7 @@ def fused_step_(
             *_split(lr), *_split(beta1), *_split(beta2),
             _f32(1.0 - lr * weight_decay), _f32(weight_decay), lerp_w, _f32(1.0 - lerp_w), _f32(beta2),
             _f32(1.0 - beta2), _f32(eps),
-            SCORE_MODE=score_mode, ACCUMULATE=bool(accumulate), DECOUPLED=bool(decoupled), HAS_STATE=k > 0,
+            SCORE_MODE=score_mode, ACCUMULATE=bool(accumulate), DECOUPLED=hp.decoupled, HAS_STATE=k > 0,
             PARAM_BF16=param.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_C=block_c,
             # No FMA contraction: the GPU then does the same IEEE operations as the interpreter, and results do not
             # change with Triton's default (which flips in 3.10).

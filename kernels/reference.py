@@ -1,4 +1,7 @@
-"""Plain-torch twins of every kernel: the oracle in tests and the backend for CPU tensors.
+"""Plain-torch twins of every kernel: the oracle in tests, and backend ``"torch"`` of the device-side ops.
+
+As a module this satisfies :class:`zenflow_triton.kernels.device_ops.DeviceOps` (``column_sumsq_``, ``fused_step_``,
+``merge_``); ``host_adamw_`` is the twin of the numba host kernel in ``cpu_adamw.py``.
 
 Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; its columns are the channels.
 
@@ -9,7 +12,8 @@ Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; it
 - ``acc`` (fp32 ``[R, C]``): sum of the unselected columns' gradients since the window began. Its
   selected columns hold no meaning (implementations may or may not write them).
 
-AdamW here is ``torch.optim.AdamW``'s single-tensor update with the bias corrections taken per column.
+AdamW here is ``torch.optim.AdamW``'s single-tensor update with the bias corrections taken per column, its
+hyperparameters one :class:`~zenflow_triton.kernels.hyperparams.AdamHyperparams` record ``hp`` (validated when built).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from ._checks import (
     check_column_sumsq_args,
     check_fused_step_args,
     check_host_adamw_args,
-    check_hyperparams,
     check_merge_args,
     check_slot_range,
 )
+from .hyperparams import AdamHyperparams, require_hyperparams
 
 __all__ = [
     "adam_update_",
@@ -42,23 +46,19 @@ def adam_update_(
     exp_avg_sq: torch.Tensor,
     *,
     step: torch.Tensor | int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
 ) -> None:
     """One Adam(W) step on fp32 tensors in place, op for op as ``torch.optim.AdamW`` (foreach=False).
 
     ``step`` is the (already incremented) step count: an int for the whole tensor, or an int tensor with
     one count per column (last dimension) whose bias corrections are computed in float64 like torch's.
-    ``decoupled=False`` is Adam with L2-coupled weight decay (``torch.optim.Adam``'s ``weight_decay``).
+    ``hp.decoupled=False`` is Adam with L2-coupled weight decay (``torch.optim.Adam``'s ``weight_decay``).
     """
+    require_hyperparams(hp)
     if not isinstance(step, torch.Tensor):
-        adam_update_foreach_([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1, beta2=beta2,
-                             eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        adam_update_foreach_([param], [grad], [exp_avg], [exp_avg_sq], step=step, hp=hp)
         return
+    lr, beta1, beta2, eps, weight_decay, decoupled = hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled
     if weight_decay != 0:
         if decoupled:
             param.mul_(1 - lr * weight_decay)
@@ -82,16 +82,13 @@ def adam_update_foreach_(
     exp_avg_sqs: list[torch.Tensor],
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
 ) -> None:
     """One Adam(W) step with an int ``step`` on lists of tensors (one device and dtype), op for op as
     ``torch.optim.AdamW`` / ``Adam`` (foreach=False), through torch's ``_foreach`` ops: one Python call per op for
     all tensors (many small resident parameters: biases, norms). :func:`adam_update_` uses it for int steps."""
+    require_hyperparams(hp)
+    lr, beta1, beta2, eps, weight_decay, decoupled = hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -126,12 +123,7 @@ def fused_step_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     acc: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
@@ -148,7 +140,7 @@ def fused_step_(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
         exp_avg_sq=exp_avg_sq, acc=acc,
     )
-    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    require_hyperparams(hp)
     if check_slots:
         check_slot_range(slot, k)
     if update_score:
@@ -168,8 +160,7 @@ def fused_step_(
     m = exp_avg.index_select(1, slots)
     v = exp_avg_sq.index_select(1, slots)
     g = grad.index_select(1, cols).float()
-    adam_update_(p, g, m, v, step=col_step[cols], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                 weight_decay=weight_decay, decoupled=decoupled)
+    adam_update_(p, g, m, v, step=col_step[cols], hp=hp)
     master[:, slots] = p
     exp_avg[:, slots] = m
     exp_avg_sq[:, slots] = v
@@ -193,12 +184,7 @@ def host_adamw_(
     count: int,
     slot: torch.Tensor,
     col_step: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
     snapshot: torch.Tensor | None = None,
 ) -> None:
     """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` fp32 state.
@@ -209,7 +195,7 @@ def host_adamw_(
     """
     check_host_adamw_args(master, exp_avg, exp_avg_sq, grad, slot=slot, col_step=col_step, snapshot=snapshot,
                           count=count)
-    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    require_hyperparams(hp)
     cols = torch.nonzero(slot < 0).squeeze(1)
     if cols.numel() == 0:
         return
@@ -219,8 +205,7 @@ def host_adamw_(
     g = grad.index_select(1, cols).float()
     if count != 1:
         g.div_(count)
-    adam_update_(p, g, m, v, step=col_step[cols], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                 weight_decay=weight_decay, decoupled=decoupled)
+    adam_update_(p, g, m, v, step=col_step[cols], hp=hp)
     master[:, cols] = p
     exp_avg[:, cols] = m
     exp_avg_sq[:, cols] = v

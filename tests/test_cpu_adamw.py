@@ -10,16 +10,20 @@ agree to an ulp or two of the step, not bit for bit, and comparisons use toleran
 from __future__ import annotations
 
 import zlib
+from dataclasses import fields, replace
 
 import numba
 import numpy as np
 import pytest
 import torch
 
-from zenflow_triton.kernels import cpu_adamw, reference
-from zenflow_triton.kernels.cpu_adamw import _bf16_bits_array, _f16_bits_array, host_adamw_
+from zenflow_triton.kernels import AdamHyperparams, cpu_adamw, reference
+from zenflow_triton.kernels._numba_utils import bf16_bits_array as _bf16_bits_array
+from zenflow_triton.kernels._numba_utils import f16_bits_array as _f16_bits_array
+from zenflow_triton.kernels.cpu_adamw import host_adamw_
 
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+HP = AdamHyperparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+HP_FIELDS = {f.name for f in fields(AdamHyperparams)}
 
 # (dtype, atol, rtol) per compared tensor. The two implementations differ only in how the step rounds (sqrt,
 # denominator, operand order: an ulp or two of the master); with L2 decay (g += wd * p) over several calls that
@@ -127,7 +131,7 @@ def test_matches_reference(shape, pattern, grad_dtype, snap_dtype) -> None:
         col_step[unsel] += 1
         grad = torch.randn(rows, cols, generator=gen).mul_(count).to(grad_dtype)
         before = [t.clone() for t in ours] + ([] if snap_ours is None else [snap_ours.clone()])
-        kw = dict(count=count, slot=slot, col_step=col_step, decoupled=decoupled, **HP)
+        kw = dict(count=count, slot=slot, col_step=col_step, hp=replace(HP, decoupled=decoupled))
         reference.host_adamw_(*ref, grad, snapshot=snap_ref, **kw)
         host_adamw_(*ours, grad, snapshot=snap_ours, **kw)
         for name, a, e in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
@@ -162,7 +166,7 @@ def test_hyperparameter_corners(hp, decoupled) -> None:
     ours[2].add_(1e-4)  # eps = 0 with v = 0 would be 0/0 in both; keep v positive
     ref = [t.clone() for t in ours]
     grad = torch.randn(rows, cols, generator=gen)
-    kw = dict(count=2, slot=slot, col_step=col_step, decoupled=decoupled, **hp)
+    kw = dict(count=2, slot=slot, col_step=col_step, hp=AdamHyperparams(**hp, decoupled=decoupled))
     reference.host_adamw_(*ref, grad, **kw)
     host_adamw_(*ours, grad, **kw)
     for name, a, e in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
@@ -188,7 +192,7 @@ def test_small_chunks_and_blocks(monkeypatch, shape, chunk, block) -> None:
     snap_ours = torch.zeros(rows, cols, dtype=torch.bfloat16)
     snap_ref = snap_ours.clone()
     grad = torch.randn(rows, cols, generator=gen)
-    kw = dict(count=2, slot=slot, col_step=col_step, **HP)
+    kw = dict(count=2, slot=slot, col_step=col_step, hp=HP)
     reference.host_adamw_(*ref, grad, snapshot=snap_ref, **kw)
     host_adamw_(*ours, grad, snapshot=snap_ours, **kw)
     for name, a, e in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
@@ -231,7 +235,7 @@ def test_deterministic_across_runs_and_threads(shape) -> None:
         state = [t.clone() for t in init]
         snap = torch.zeros(rows, cols, dtype=torch.bfloat16)
         for _ in range(2):
-            host_adamw_(*state, grad, snapshot=snap, count=2, slot=slot, col_step=col_step, num_threads=n, **HP)
+            host_adamw_(*state, grad, snapshot=snap, count=2, slot=slot, col_step=col_step, num_threads=n, hp=HP)
         results.append([_bits(t) for t in (*state, snap)])
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -254,7 +258,8 @@ def test_chained_oracle_torch_adamw(decoupled, beta1) -> None:
         param.grad = g.clone()
         opt.step()
         host_adamw_(master, m, v, g, count=1, slot=slot, col_step=torch.full((cols,), step, dtype=torch.int32),
-                    lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+                    hp=AdamHyperparams(lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                       decoupled=decoupled))
     st = opt.state[param]
     assert_close(master, param.detach(), "master")
     assert_close(m, st["exp_avg"], "exp_avg")
@@ -268,19 +273,19 @@ def test_all_selected_and_empty_touch_nothing() -> None:
     before = [t.clone() for t in (*state, snap)]
     slot = torch.arange(50, dtype=torch.int32)
     ones = torch.ones(50, dtype=torch.int32)
-    host_adamw_(*state, torch.randn(4, 50), snapshot=snap, count=1, slot=slot, col_step=ones, **HP)
+    host_adamw_(*state, torch.randn(4, 50), snapshot=snap, count=1, slot=slot, col_step=ones, hp=HP)
     for a, b in zip((*state, snap), before):
         assert torch.equal(_bits(a), _bits(b))
     for rows, cols in [(0, 5), (3, 0)]:
         z = [torch.zeros(rows, cols) for _ in range(4)]
         host_adamw_(*z, count=1, slot=torch.full((cols,), -1, dtype=torch.int32),
-                    col_step=torch.ones(cols, dtype=torch.int32), **HP)
+                    col_step=torch.ones(cols, dtype=torch.int32), hp=HP)
 
 
 def test_num_threads_is_restored_and_checked() -> None:
     before = numba.get_num_threads()
     state = make_state(8, 8, torch.Generator().manual_seed(0))
-    kw = dict(count=1, slot=torch.full((8,), -1, dtype=torch.int32), col_step=torch.ones(8, dtype=torch.int32), **HP)
+    kw = dict(count=1, slot=torch.full((8,), -1, dtype=torch.int32), col_step=torch.ones(8, dtype=torch.int32), hp=HP)
     host_adamw_(*state, torch.randn(8, 8), num_threads=1, **kw)
     assert numba.get_num_threads() == before
     for bad in (0, numba.config.NUMBA_NUM_THREADS + 1, 1.5, True):
@@ -292,7 +297,7 @@ def _bad_cases():
     def good():
         return dict(
             master=torch.zeros(3, 4), exp_avg=torch.zeros(3, 4), exp_avg_sq=torch.zeros(3, 4), grad=torch.zeros(3, 4),
-            count=1, slot=torch.full((4,), -1, dtype=torch.int32), col_step=torch.ones(4, dtype=torch.int32), **HP,
+            count=1, slot=torch.full((4,), -1, dtype=torch.int32), col_step=torch.ones(4, dtype=torch.int32),
         )
 
     def case(**changes):
@@ -326,13 +331,20 @@ def _bad_cases():
     }
 
 
+def _with_hp(kw: dict) -> dict:
+    """The keywords of a call: hyperparameter fields among ``kw`` replace HP's in the record ``hp`` (built here, so
+    inside the caller's ``pytest.raises``: a bad value raises from the record)."""
+    hp = replace(HP, **{k: v for k, v in kw.items() if k in HP_FIELDS})
+    return {**{k: v for k, v in kw.items() if k not in HP_FIELDS}, "hp": hp}
+
+
 @pytest.mark.parametrize("name", list(_bad_cases()))
 def test_bad_inputs_raise_like_the_reference(name) -> None:
     kw = _bad_cases()[name]
     with pytest.raises((TypeError, ValueError)) as ours:
-        host_adamw_(**kw)
+        host_adamw_(**_with_hp(kw))
     with pytest.raises((TypeError, ValueError)) as ref:
-        reference.host_adamw_(**_bad_cases()[name])
+        reference.host_adamw_(**_with_hp(_bad_cases()[name]))
     assert type(ours.value) is type(ref.value)
     assert str(ours.value) == str(ref.value)
 

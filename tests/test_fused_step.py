@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import pytest
 import torch
 from kernel_shapes import edge_shapes
 
-from zenflow_triton.kernels import _triton_utils, reference
+from zenflow_triton.kernels import AdamHyperparams, _triton_utils, reference
 from zenflow_triton.kernels import fused_step as fs
 
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+HP = AdamHyperparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+HP_FIELDS = {f.name for f in fields(AdamHyperparams)}
 
 # (dtype, atol, rtol) for the fp32 state (master, exp_avg, exp_avg_sq) and an fp32 param, vs the reference. The kernel
 # does the reference's operations in the reference's order; torch's vectorized CPU lerp and add-with-alpha fuse a
@@ -70,8 +72,11 @@ def clone(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run(fn, case: dict[str, torch.Tensor], **kwargs) -> None:
+    """``kwargs``: launcher keywords, and AdamHyperparams fields that replace HP's (the record is built here, so a
+    bad value raises inside the caller's ``pytest.raises``)."""
     state = {name: case[name] for name in NAMES}
-    fn(case["param"], case["grad"], **state, **{**HP, "accumulate": True, **kwargs})
+    hp = replace(HP, **{k: kwargs.pop(k) for k in HP_FIELDS & kwargs.keys()})
+    fn(case["param"], case["grad"], **state, hp=hp, **{"accumulate": True, **kwargs})
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import zenflow_triton.optimizer as zopt
+import zenflow_triton.pipeline as zpipe
 from zenflow_triton import ZenFlowAdam, ZenFlowAdamW
 
 MIN_OFFLOAD = 512
@@ -226,7 +227,7 @@ def test_simulation_all_on_host_sync(dtype: torch.dtype) -> None:
     assert expected <= st["host_bytes_per_param"] < expected + 0.5
     # topk_ratio=0 keeps no scores (nothing reads them) and reports no selected energy.
     assert st["selected_energy_fraction"] == 0.0
-    assert all(not opt.state[p]["score"].any() for p in opt._runtime)
+    assert all(not opt.state[p]["score"].any() for p in opt._pipeline.records)
     opt.close()
 
 
@@ -522,7 +523,7 @@ def test_worker_exception_surfaces_at_next_step(monkeypatch) -> None:
     def broken(*args):
         raise FloatingPointError("injected host fault")
 
-    monkeypatch.setattr(zopt, "run_host_job", broken)
+    monkeypatch.setattr(zpipe, "run_host_job", broken)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
     _train_steps(opt, model, 2)  # the window ends here; the job fails in the worker
@@ -542,7 +543,7 @@ def test_hung_worker_becomes_error(monkeypatch) -> None:
         release.wait(10)
         return 0.0
 
-    monkeypatch.setattr(zopt, "run_host_job", hang)
+    monkeypatch.setattr(zpipe, "run_host_job", hang)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), update_interval=1, overlap=False, min_offload_numel=MIN_OFFLOAD,
                        worker_timeout=0.3)
@@ -557,8 +558,8 @@ def test_hung_worker_becomes_error(monkeypatch) -> None:
 def test_dead_worker_becomes_error() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), update_interval=2, min_offload_numel=MIN_OFFLOAD)
-    opt._worker._queue.put(None)  # the thread exits as if it had crashed
-    opt._worker._thread.join(5)
+    opt._pipeline.worker._queue.put(None)  # the thread exits as if it had crashed
+    opt._pipeline.worker._thread.join(5)
     with pytest.raises(RuntimeError, match="died"):
         _train_steps(opt, model, 2)
     opt.close()
@@ -583,7 +584,7 @@ def test_stats_flush_close_and_context_manager() -> None:
         assert st["stall_s"] >= 0 and st["host_job_s"] > 0
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
-    assert not opt._worker.alive
+    assert not opt._pipeline.worker.alive
 
 
 # ---------------------------------------------------------------------------------------------------- auto
@@ -609,7 +610,7 @@ def test_auto_knobs_plan_after_warmup_and_report(quick_profile, monkeypatch) -> 
         loss_fn(model, i).backward()
         opt.step()
         time.sleep(0.002)  # a known share of the step outside step(), like a forward and backward
-    assert opt.stats()["selections"] == 0 and opt._plan is None  # still warming up, synchronously
+    assert opt.stats()["selections"] == 0 and opt._knobs.plan is None  # still warming up, synchronously
     _train_steps(opt, model, 3)
     st = opt.stats()
     assert st["selections"] == 1
@@ -718,15 +719,13 @@ def test_host_threads_follow_cpu_affinity(monkeypatch) -> None:
     monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr(worker.os, "cpu_count", lambda: 64)
     seen: list[int] = []
-    import zenflow_triton.optimizer as optimizer
-
-    real = optimizer.run_host_job
+    real = zpipe.run_host_job
 
     def spy(items, ready, num_threads):
         seen.append(num_threads)
         return real(items, ready, num_threads)
 
-    monkeypatch.setattr(optimizer, "run_host_job", spy)
+    monkeypatch.setattr(zpipe, "run_host_job", spy)
     w = nn.Parameter(torch.randn(32, 128))
     with ZenFlowAdamW([w], topk_ratio=0.0, update_interval=1, overlap=False, warmup_steps=1) as opt:
         for _ in range(3):

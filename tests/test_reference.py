@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 
+from zenflow_triton.kernels import AdamHyperparams
 from zenflow_triton.kernels import reference as ref
 
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+HP = AdamHyperparams(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+HP_FIELDS = {f.name for f in fields(AdamHyperparams)}
 SHAPES = [(1, 1), (1, 17), (13, 1), (37, 53)]
 
 
 def _torch_opt(decoupled: bool, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    return cls([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-               weight_decay=HP["weight_decay"], foreach=False)
+    return cls([p], lr=HP.lr, betas=(HP.beta1, HP.beta2), eps=HP.eps,
+               weight_decay=HP.weight_decay, foreach=False)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -40,7 +44,7 @@ def test_fused_step_all_selected_equals_torch(shape, decoupled) -> None:
         opt.step()
         col_step += 1
         ref.fused_step_(param, g, score=score, slot=slot, col_step=col_step, master=master, exp_avg=m, exp_avg_sq=v,
-                        acc=acc, decoupled=decoupled, accumulate=False, **HP)
+                        acc=acc, hp=replace(HP, decoupled=decoupled), accumulate=False)
         expected_score += (g.double() ** 2).sum(0).float()
     # 25 fp32 AdamW steps: identical math, the per-column bias corrections rounded once more than torch's
     torch.testing.assert_close(param, p.detach(), atol=1e-6, rtol=1e-6)
@@ -65,8 +69,8 @@ def test_host_adamw_all_unselected_count_one_equals_torch(shape, decoupled) -> N
         p.grad = g.clone()
         opt.step()
         col_step += 1
-        ref.host_adamw_(master, m, v, g, count=1, slot=slot, col_step=col_step, decoupled=decoupled,
-                        snapshot=snapshot, **HP)
+        ref.host_adamw_(master, m, v, g, count=1, slot=slot, col_step=col_step, hp=replace(HP, decoupled=decoupled),
+                        snapshot=snapshot)
     torch.testing.assert_close(master, p.detach(), atol=1e-6, rtol=1e-6)
     assert torch.equal(snapshot, master.to(torch.bfloat16))
 
@@ -83,10 +87,9 @@ def test_host_adamw_mean_gradient_and_mask() -> None:
     expect_p, expect_m, expect_v = master.clone(), m.clone(), v.clone()
     unsel = slot < 0
     p_u, m_u, v_u = expect_p[:, unsel], expect_m[:, unsel], expect_v[:, unsel]
-    hp = dict(HP)
-    ref.adam_update_(p_u, total.float()[:, unsel] / 3, m_u, v_u, step=1, lr=hp.pop("lr"), **hp)
+    ref.adam_update_(p_u, total.float()[:, unsel] / 3, m_u, v_u, step=1, hp=HP)
     before = master.clone()
-    ref.host_adamw_(master, m, v, total, count=3, slot=slot, col_step=col_step, **HP)
+    ref.host_adamw_(master, m, v, total, count=3, slot=slot, col_step=col_step, hp=HP)
     assert torch.equal(master[:, ~unsel], before[:, ~unsel])
     torch.testing.assert_close(master[:, unsel], p_u, atol=1e-7, rtol=1e-6)
     torch.testing.assert_close(m[:, unsel], m_u, atol=1e-7, rtol=1e-6)
@@ -101,10 +104,10 @@ def test_fused_step_accumulate_and_overwrite() -> None:
                 acc=torch.full(shape, 7.0))
     g1, g2 = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     param = torch.zeros(shape)
-    ref.fused_step_(param, g1, **args, accumulate=False, **HP)
+    ref.fused_step_(param, g1, **args, accumulate=False, hp=HP)
     unsel = slot < 0
     assert torch.equal(args["acc"][:, unsel], g1[:, unsel])
-    ref.fused_step_(param, g2, **args, accumulate=True, update_score=False, **HP)
+    ref.fused_step_(param, g2, **args, accumulate=True, update_score=False, hp=HP)
     assert torch.equal(args["acc"][:, unsel], (g1 + g2)[:, unsel])
     torch.testing.assert_close(args["score"], (g1 * g1).sum(0))  # the second call did not add its scores
     assert torch.equal(param[:, unsel], torch.zeros(4, 4))  # unselected columns of the param untouched
@@ -136,11 +139,12 @@ def test_fused_step_rejects_bad_input(change, error, match) -> None:
     args = dict(param=torch.zeros(4, 6), grad=torch.zeros(4, 6), score=torch.zeros(6),
                 slot=torch.tensor([-1, 0, -1, -1, -1, 1], dtype=torch.int32),
                 col_step=torch.ones(6, dtype=torch.int32), master=torch.zeros(4, 2), exp_avg=torch.zeros(4, 2),
-                exp_avg_sq=torch.zeros(4, 2), acc=torch.zeros(4, 6), accumulate=False, **HP)
-    args.update(change)
+                exp_avg_sq=torch.zeros(4, 2), acc=torch.zeros(4, 6), accumulate=False)
+    args.update({k: v for k, v in change.items() if k not in HP_FIELDS})
+    hp_change = {k: v for k, v in change.items() if k in HP_FIELDS}
     param, grad = args.pop("param"), args.pop("grad")
     with pytest.raises(error, match=match):
-        ref.fused_step_(param, grad, **args)
+        ref.fused_step_(param, grad, **args, hp=replace(HP, **hp_change))
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
@@ -160,8 +164,8 @@ def test_adam_update_foreach_equals_torch(decoupled, weight_decay) -> None:
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
-        ref.adam_update_foreach_(ours, grads, m, v, step=step, lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-8,
-                                 weight_decay=weight_decay, decoupled=decoupled)
+        ref.adam_update_foreach_(ours, grads, m, v, step=step, hp=AdamHyperparams(
+            lr=3e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled))
     for p, q, mi, vi in zip(params, ours, m, v):
         assert torch.equal(p.detach(), q)
         assert torch.equal(opt.state[p]["exp_avg"], mi)

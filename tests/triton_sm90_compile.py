@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import fields, replace
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET: the interpreter cannot compile"
 
@@ -32,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed triton
     print(json.dumps({"api_error": f"{type(exc).__name__}: {exc}", "triton": triton.__version__}))
     sys.exit(3)
 
-from zenflow_triton.kernels import _triton_utils, colnorm, fused_step, merge  # noqa: E402
+from zenflow_triton.kernels import AdamHyperparams, _triton_utils, colnorm, fused_step, merge  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -80,17 +81,19 @@ _triton_utils._add_partials_kernel = Recorder("add_partials", _triton_utils._add
 for module in (fused_step, colnorm, merge):
     module.check_launch_device = lambda *a, **k: None  # CPU stand-ins for CUDA tensors: nothing is launched
 
-HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+HP = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+HP_FIELDS = {f.name for f in fields(AdamHyperparams)}
 
 
 def fused(rows: int, cols: int, k: int, dtype: torch.dtype, **kw) -> None:
     slot = torch.full((cols,), -1, dtype=torch.int32)
     slot[:k] = torch.arange(k, dtype=torch.int32)
     z = torch.zeros
+    hp = replace(HP, **{k: kw.pop(k) for k in HP_FIELDS & kw.keys()})
     fused_step.fused_step_(
         z(rows, cols, dtype=dtype), z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
         col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k), exp_avg_sq=z(rows, k),
-        acc=z(rows, cols), **HP, **kw)
+        acc=z(rows, cols), hp=hp, **kw)
 
 
 # The variants training builds: every param dtype, with and without selected columns, the first step of a window

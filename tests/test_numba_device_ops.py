@@ -1,15 +1,18 @@
-"""Numba device-side ops for CPU tensors (kernels/cpu_fused_step.py) against kernels/reference.py."""
+"""Numba device-side ops for CPU tensors (kernels/numba_device_ops.py) against kernels/reference.py."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from zenflow_triton.kernels import cpu_fused_step as nb
+from zenflow_triton.kernels import AdamHyperparams
+from zenflow_triton.kernels import numba_device_ops as nb
 from zenflow_triton.kernels import reference as ref
 
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+HP = AdamHyperparams(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 # Rows per score block is 64: 63/64/65 and 130 rows straddle one and two block boundaries.
 SHAPES = [(1, 1), (1, 40), (63, 1), (64, 7), (65, 33), (130, 37), (3, 700)]
 # fp32 state: both follow torch's AdamW rounding, the reference through torch's vectorized ops (which fuse some
@@ -50,8 +53,8 @@ def test_fused_step_matches_reference(shape, dtype, which_k, decoupled) -> None:
     pa, pb = param0.clone(), param0.clone()
     for step, accumulate in enumerate((False, True, True)):
         g = torch.randn(shape, generator=gen).to(dtype)
-        ref.fused_step_(pa, g, **a, accumulate=accumulate, update_score=step != 1, decoupled=decoupled, **HP)
-        nb.fused_step_(pb, g, **b, accumulate=accumulate, update_score=step != 1, decoupled=decoupled, **HP)
+        ref.fused_step_(pa, g, **a, accumulate=accumulate, update_score=step != 1, hp=replace(HP, decoupled=decoupled))
+        nb.fused_step_(pb, g, **b, accumulate=accumulate, update_score=step != 1, hp=replace(HP, decoupled=decoupled))
     for key in ("score", "master", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(b[key], a[key], **TOL, msg=key)
     unsel = a["slot"] < 0
@@ -81,8 +84,8 @@ def test_fused_step_slot_maps(shape, slots, dtype) -> None:
     pa, pb = param0.clone(), param0.clone()
     for accumulate in (False, True):
         g = torch.randn(shape, generator=gen).to(dtype)
-        ref.fused_step_(pa, g, **a, accumulate=accumulate, **HP)
-        nb.fused_step_(pb, g, **b, accumulate=accumulate, **HP)
+        ref.fused_step_(pa, g, **a, accumulate=accumulate, hp=HP)
+        nb.fused_step_(pb, g, **b, accumulate=accumulate, hp=HP)
     for key in ("score", "master", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(b[key], a[key], **TOL, msg=key)
     unused = torch.ones(k, dtype=torch.bool)
@@ -126,7 +129,7 @@ def test_fused_step_does_not_depend_on_thread_count() -> None:
                 numba.set_num_threads(threads)
                 st = _state(rows, cols, k, 3, slots)
                 p = param0.clone()
-                nb.fused_step_(p, g, **st, accumulate=True, **HP)
+                nb.fused_step_(p, g, **st, accumulate=True, hp=HP)
                 outs.append((p, st))
     finally:
         numba.set_num_threads(previous)
@@ -207,7 +210,7 @@ def test_fp16_load_is_exact() -> None:
                    slot=torch.full((g.shape[1],), -1, dtype=torch.int32),
                    col_step=torch.ones(g.shape[1], dtype=torch.int32), master=torch.zeros(1, 0),
                    exp_avg=torch.zeros(1, 0), exp_avg_sq=torch.zeros(1, 0), acc=acc, accumulate=False,
-                   update_score=False, **HP)
+                   update_score=False, hp=HP)
     assert torch.equal(acc, g.float())
 
 
@@ -218,9 +221,9 @@ def test_rejects_non_cpu_and_bad_input() -> None:
                   torch.zeros(6, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="acc must be contiguous"):
         nb.fused_step_(torch.zeros(4, 6), torch.zeros(4, 6), **dict(st, acc=torch.zeros(6, 4).t()),
-                       accumulate=True, **HP)
+                       accumulate=True, hp=HP)
     with pytest.raises(ValueError, match="slot values"):
         bad = st["slot"].clone()
         bad[0] = 9
         nb.fused_step_(torch.zeros(4, 6), torch.zeros(4, 6), **dict(st, slot=bad), accumulate=True,
-                       check_slots=True, **HP)
+                       check_slots=True, hp=HP)

@@ -1,4 +1,7 @@
-"""The device-side ops for CPU tensors, in numba: fused step, column norms and merge.
+"""The device-side ops for CPU tensors, in numba: fused step, column norms and merge (backend ``"numba"``).
+
+As a module this satisfies :class:`zenflow_triton.kernels.device_ops.DeviceOps`, like ``reference`` (backend
+``"torch"``) and ``triton_device_ops`` (backend ``"triton"``).
 
 When the "device" is the CPU (no GPU; tests, the demo, CPU-only fine-tuning), the plain-torch twins in
 ``reference.py`` are correct but slow: the fused step's masked gathers and scatters over a row-major
@@ -24,12 +27,11 @@ from numba.extending import register_jitable
 from ._checks import (
     check_column_sumsq_args,
     check_fused_step_args,
-    check_hyperparams,
     check_merge_args,
     check_slot_range,
 )
-from .cpu_adamw import _adamw_elem, _flat_view, _hyperparams, _store_snap
-from .cpu_adamw import _load_grad as _load_elem
+from ._numba_utils import adamw_elem, flat_view, load_grad, scalar_hyperparams, store_snap
+from .hyperparams import AdamHyperparams, require_hyperparams
 
 __all__ = ["column_sumsq_", "fused_step_", "merge_"]
 
@@ -58,11 +60,10 @@ def _launch(kernels, numel: int, items: int, *args) -> None:
         parallel(items, *args)
 
 
-def _adam_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  decoupled: bool) -> tuple:
-    """The trailing scalar arguments of ``cpu_adamw._adamw_elem`` (decay, l2, coupled, w, base_is_m, beta2,
-    1 - beta2, eps), rounded to fp32 where torch rounds them: the host kernel's own, without its count terms."""
-    return _hyperparams(1, lr, beta1, beta2, eps, weight_decay, decoupled)[3:11]
+def _adam_scalars(hp: AdamHyperparams) -> tuple:
+    """The trailing scalar arguments of ``adamw_elem`` (decay, l2, coupled, w, base_is_m, beta2, 1 - beta2, eps),
+    rounded to fp32 where torch rounds them: the host kernel's own, without its count terms."""
+    return scalar_hyperparams(1, hp)[3:11]
 
 
 # One branch-free loop per (accumulate, update_score) case, each its own function with unsigned indices: a
@@ -73,7 +74,7 @@ def _adam_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_d
 @register_jitable
 def _row_add_score(grad, acc, partial, base, pbase, cols):
     for j in range(cols):
-        g = _load_elem(grad, base + j)
+        g = load_grad(grad, base + j)
         partial[pbase + j] += g * g
         acc[base + j] += g
 
@@ -81,7 +82,7 @@ def _row_add_score(grad, acc, partial, base, pbase, cols):
 @register_jitable
 def _row_copy_score(grad, acc, partial, base, pbase, cols):
     for j in range(cols):
-        g = _load_elem(grad, base + j)
+        g = load_grad(grad, base + j)
         partial[pbase + j] += g * g
         acc[base + j] = g
 
@@ -89,13 +90,13 @@ def _row_copy_score(grad, acc, partial, base, pbase, cols):
 @register_jitable
 def _row_add(grad, acc, base, cols):
     for j in range(cols):
-        acc[base + j] += _load_elem(grad, base + j)
+        acc[base + j] += load_grad(grad, base + j)
 
 
 @register_jitable
 def _row_copy(grad, acc, base, cols):
     for j in range(cols):
-        acc[base + j] = _load_elem(grad, base + j)
+        acc[base + j] = load_grad(grad, base + j)
 
 
 # The selected columns of a row go through three loops: gather their gradients into a contiguous buffer, AdamW
@@ -113,7 +114,7 @@ def _row_copy(grad, acc, base, cols):
 @register_jitable
 def _gather_cols(grad, gbuf, base, slot_cols, nsel):
     for q in range(nsel):
-        gbuf[q] = _load_elem(grad, base + np.uint64(slot_cols[q]))
+        gbuf[q] = load_grad(grad, base + np.uint64(slot_cols[q]))
 
 
 @register_jitable
@@ -126,15 +127,15 @@ def _scatter_cols(param, pbuf, base, slot_cols, nsel):
 def _adamw_cols_contig(master, exp_avg, exp_avg_sq, gbuf, pbuf, cbase, nsel, step_size, bc2_sqrt, decay, l2,
                        coupled, w, base_is_m, b2, omb2, eps):
     """Slots ``0 .. nsel-1`` of the row at ``cbase`` in the compact state: contiguous, so the loop vectorizes.
-    The rounding into the param's dtype (``_store_snap`` into ``pbuf``) runs here too, 8 lanes at a time."""
+    The rounding into the param's dtype (``store_snap`` into ``pbuf``) runs here too, 8 lanes at a time."""
     for q in range(nsel):
         c = cbase + q
-        p, m, v = _adamw_elem(master[c], exp_avg[c], exp_avg_sq[c], gbuf[q], step_size[q], bc2_sqrt[q], decay, l2,
+        p, m, v = adamw_elem(master[c], exp_avg[c], exp_avg_sq[c], gbuf[q], step_size[q], bc2_sqrt[q], decay, l2,
                               coupled, w, base_is_m, b2, omb2, eps)
         master[c] = p
         exp_avg[c] = m
         exp_avg_sq[c] = v
-        _store_snap(pbuf, q, p)
+        store_snap(pbuf, q, p)
 
 
 @register_jitable(error_model="numpy")
@@ -146,12 +147,12 @@ def _adamw_cols_mapped(param, grad, master, exp_avg, exp_avg_sq, base, cbase, ns
     for q in range(nsel):
         j = base + np.uint64(slot_cols[q])
         c = cbase + np.uint64(slot_ids[q])
-        p, m, v = _adamw_elem(master[c], exp_avg[c], exp_avg_sq[c], _load_elem(grad, j), step_size[q], bc2_sqrt[q],
+        p, m, v = adamw_elem(master[c], exp_avg[c], exp_avg_sq[c], load_grad(grad, j), step_size[q], bc2_sqrt[q],
                               decay, l2, coupled, w, base_is_m, b2, omb2, eps)
         master[c] = p
         exp_avg[c] = m
         exp_avg_sq[c] = v
-        _store_snap(param, j, p)
+        store_snap(param, j, p)
 
 
 @register_jitable(error_model="numpy")
@@ -195,7 +196,7 @@ def _fused_step_blocks(lo, hi, param, grad, partial, slot_cols, slot_ids, contig
 @register_jitable
 def _row_score(grad, partial, base, pbase, cols):
     for j in range(cols):
-        g = _load_elem(grad, base + j)
+        g = load_grad(grad, base + j)
         partial[pbase + j] += g * g
 
 
@@ -319,7 +320,7 @@ def column_sumsq_(score: torch.Tensor, grad: torch.Tensor) -> None:
     if rows == 0 or cols == 0:
         return
     partial = _partials(rows, cols)
-    _launch(_COLUMN_SUMSQ, rows * cols, _nblocks(rows), _flat_view(grad), partial, cols)
+    _launch(_COLUMN_SUMSQ, rows * cols, _nblocks(rows), flat_view(grad), partial, cols)
     _launch(_ADD_PARTIALS, partial.size, cols, score.numpy(), partial, cols)
 
 
@@ -351,12 +352,7 @@ def fused_step_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     acc: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
+    hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
@@ -366,7 +362,7 @@ def fused_step_(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
         exp_avg_sq=exp_avg_sq, acc=acc,
     )
-    check_hyperparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    require_hyperparams(hp)
     _check_cpu(param)
     if check_slots:
         check_slot_range(slot, k)
@@ -375,14 +371,14 @@ def fused_step_(
     slot_cols, slot_ids, contig = _selected(slot.numpy())
     # Per selected column, in float64 and rounded once, like the reference (and torch's scalar path).
     steps = col_step.numpy()[slot_cols].astype(np.float64)
-    step_size = (lr / (1.0 - beta1**steps)).astype(np.float32)
-    bc2_sqrt = np.sqrt(1.0 - beta2**steps).astype(np.float32)
+    step_size = (hp.lr / (1.0 - hp.beta1**steps)).astype(np.float32)
+    bc2_sqrt = np.sqrt(1.0 - hp.beta2**steps).astype(np.float32)
     partial = _partials(rows, cols) if update_score else np.zeros(0, dtype=np.float32)
     _launch(
-        _FUSED_STEP, rows * cols, _nblocks(rows), _flat_view(param), _flat_view(grad), partial, slot_cols, slot_ids,
+        _FUSED_STEP, rows * cols, _nblocks(rows), flat_view(param), flat_view(grad), partial, slot_cols, slot_ids,
         contig, master.numpy().reshape(-1), exp_avg.numpy().reshape(-1), exp_avg_sq.numpy().reshape(-1),
         acc.numpy().reshape(-1), cols, k, step_size, bc2_sqrt, bool(accumulate), bool(update_score),
-        *_adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled),
+        *_adam_scalars(hp),
     )
     if update_score:
         _launch(_ADD_PARTIALS, partial.size, cols, score.numpy(), partial, cols)

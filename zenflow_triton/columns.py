@@ -1,21 +1,25 @@
-"""Per-parameter pieces of the ZenFlow update: which params offload, column selection, state migration,
-and the host job the worker runs. The optimizer class only orders these calls (DESIGN §3-§5).
+"""The columns of an offloaded parameter (DESIGN §3, §4): which parameters offload, their matrix view, top-k
+selection by score, the Adam state that moves with a column when it changes sides, and the masks each side reads.
+
+Everything here is per parameter and stateless beyond the tensors it is handed; the optimizer decides when a
+selection happens, this module decides what it does.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = [
-    "HostItem",
+    "ColumnMasks",
+    "Reselection",
     "is_offloaded",
     "matrix_shape",
-    "select_columns",
     "migrate_columns",
-    "run_host_job",
+    "reselect_",
+    "select_columns",
 ]
 
 
@@ -90,42 +94,56 @@ def migrate_columns(
 
 
 @dataclass
-class HostItem:
-    """One parameter's share of a host job: buffers (CPU tensors, slab views) and the hyperparameters
-    captured at the window end."""
+class ColumnMasks:
+    """The selection as each side reads it, derived from the device slot map (``state["slot"]``) by
+    :meth:`refresh` after every selection and load: the fused step adds ``selected`` to the per-column step
+    counts, the host job reads ``host_slot`` and adds ``unselected`` to the host's."""
 
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    grad: torch.Tensor
-    slot: torch.Tensor
-    unselected: torch.Tensor
-    col_step: torch.Tensor
-    snapshot: torch.Tensor | None
-    count: int
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
+    selected: torch.Tensor  # device int32 [C]: 1 where the device updates the column
+    host_slot: torch.Tensor  # CPU int32 [C]: the slot map, for the host kernel
+    unselected: torch.Tensor  # CPU int32 [C]: 1 where the host updates the column
+    num_unselected: int
+
+    @classmethod
+    def empty(cls, cols: int, device: torch.device) -> ColumnMasks:
+        return cls(selected=torch.empty(cols, dtype=torch.int32, device=device),
+                   host_slot=torch.empty(cols, dtype=torch.int32), unselected=torch.empty(cols, dtype=torch.int32),
+                   num_unselected=cols)
+
+    def refresh(self, slot: torch.Tensor) -> None:
+        self.selected.copy_((slot >= 0).to(torch.int32))
+        self.host_slot.copy_(slot)
+        self.unselected.copy_((self.host_slot < 0).to(torch.int32))
+        self.num_unselected = int(self.unselected.sum())
 
 
-def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
-    """The worker's body for one window: Adam on every item's unselected columns. Returns seconds spent."""
-    from zenflow_triton.kernels.cpu_adamw import host_adamw_
+@dataclass(frozen=True)
+class Reselection:
+    """What one parameter's selection step did, for telemetry."""
 
-    start = time.perf_counter()
-    if ready is not None:
-        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them
-        # before it completes would see the previous window's bytes.
-        ready.synchronize()
-    for it in items:
-        # Each column's bias correction counts its own updates: one more for every column updated here.
-        it.col_step.add_(it.unselected)
-        host_adamw_(
-            it.master, it.exp_avg, it.exp_avg_sq, it.grad, count=it.count, slot=it.slot, col_step=it.col_step,
-            lr=it.lr, beta1=it.beta1, beta2=it.beta2, eps=it.eps, weight_decay=it.weight_decay,
-            decoupled=it.decoupled, snapshot=it.snapshot, num_threads=num_threads,
-        )
-    return time.perf_counter() - start
+    energy_selected: float  # summed score of the chosen columns
+    energy_all: float  # summed score of all columns
+    columns_changed: int  # columns that changed sides
+    d2h_bytes: int
+    h2d_bytes: int
+
+
+def reselect_(st: dict[str, Any], masks: ColumnMasks, k: int) -> Reselection:
+    """DESIGN §3 step 2 for one parameter: the top-k columns of ``st["score"]`` become the selection, the Adam state
+    of columns that change sides migrates, the scores restart from zero and ``masks`` follow. Host work on this
+    parameter must be quiescent (the caller flushed)."""
+    score = st["score"]
+    new_slot = select_columns(score, k)
+    energy_all = float(score.sum())
+    energy_sel = float(score[new_slot >= 0].sum()) if k else 0.0
+    compact, d2h, h2d, changed = migrate_columns(
+        old_slot=st["slot"], new_slot=new_slot, compact=(st["master"], st["exp_avg"], st["exp_avg_sq"]),
+        col_step=st["col_step"], host=(st["host_master"], st["host_exp_avg"], st["host_exp_avg_sq"]),
+        host_col_step=st["host_col_step"],
+    )
+    st["master"], st["exp_avg"], st["exp_avg_sq"] = compact
+    st["slot"] = new_slot
+    score.zero_()
+    masks.refresh(new_slot)
+    return Reselection(energy_selected=energy_sel, energy_all=energy_all, columns_changed=changed, d2h_bytes=d2h,
+                       h2d_bytes=h2d)

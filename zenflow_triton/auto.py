@@ -1,0 +1,138 @@
+"""The knobs an optimizer runs with, and ``"auto"`` (DESIGN §2, §8): the step time sampled over the warm-up, then
+one plan from the machine profile that resolves every ``"auto"`` field.
+
+:class:`Knobs` holds one :class:`ZenFlowConfig`, ``resolved``: the user's config with the library's defaults
+filled in (``select_interval``, ``cpu_threads``) and, once planned, the autotuner's choices in place of ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .config import ZenFlowConfig
+from .worker import host_thread_limit
+
+__all__ = ["AUTO_WARMUP_STEPS", "Knobs"]
+
+logger = logging.getLogger("zenflow_triton")
+
+# "auto" knobs measure the step time over the warm-up (synchronous, so every sample is a whole step);
+# five steps give four intervals, enough for a median that ignores the first, slower, step.
+AUTO_WARMUP_STEPS = 5
+
+_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads")
+
+
+class Knobs:
+    """``topk_ratio``, ``update_interval``, ``select_interval`` and ``cpu_threads`` as the optimizer uses them.
+
+    ``config`` is the user's; ``warmup`` the warm-up steps (at least :data:`AUTO_WARMUP_STEPS` with ``"auto"``);
+    ``plan`` the autotuner's :class:`~zenflow_triton.autotune.Plan` once made (None for fixed knobs).
+    """
+
+    def __init__(self, config: ZenFlowConfig) -> None:
+        limit = host_thread_limit()
+        if config.cpu_threads is not None and config.cpu_threads > limit:
+            raise ValueError(f"Invalid cpu_threads: {config.cpu_threads} (this process can run at most {limit} numba "
+                             "threads: its CPU affinity, capped by NUMBA_NUM_THREADS)")
+        self.config = config
+        self.warmup = max(config.warmup_steps, AUTO_WARMUP_STEPS) if config.is_auto else config.warmup_steps
+        r = config.topk_ratio
+        self.resolved = config.replace(
+            topk_ratio=r if r == "auto" else float(r),
+            select_interval=config.resolved_select_interval() if config.update_interval != "auto" else None,
+            cpu_threads=config.cpu_threads or max(1, limit - 1),
+        )
+        self.plan: Any = None
+        self.step_time_samples: list[float] = []
+        self._last_step_end: float | None = None
+
+    def value(self, name: str) -> Any:
+        """A knob as ``stats()`` and checkpoints report it: None while it waits for "auto"."""
+        if name == "select_interval" and self.resolved.update_interval == "auto":
+            return None
+        v = getattr(self.resolved, name)
+        return None if v == "auto" else v
+
+    @property
+    def ready(self) -> bool:
+        return self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
+
+    # ------------------------------------------------------------------ step time
+
+    def sample_step_time(self, entered: float, device: torch.device | None) -> None:
+        """Record the time between the end of the last ``step()`` and ``entered`` (the forward and backward),
+        while "auto" still waits for its plan. ``device``: the offloaded parameters' (None: none stepped)."""
+        if self.plan is not None or not self.config.is_auto or self._last_step_end is None or device is None:
+            return
+        if device.type == "cuda":
+            # Warm-up steps end synchronized (the host update waits), so after this sync the interval since
+            # the last step's end is exactly the forward and backward time on the device.
+            torch.cuda.synchronize(device)
+            entered = time.perf_counter()
+        self.step_time_samples.append(entered - self._last_step_end)
+
+    def step_ended(self, now: float) -> None:
+        self._last_step_end = now
+
+    def measured_step_time(self) -> float:
+        samples = self.step_time_samples
+        return statistics.median(samples) if samples else 0.0
+
+    # ------------------------------------------------------------------ resolution
+
+    def resolve(self, *, offloaded_shapes: Sequence[tuple[int, int]], param_dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Plan every knob still "auto" from the machine profile and the measured step time (no-op when none is)."""
+        if self.ready:
+            return
+        from .autotune import plan_for_optimizer
+
+        cfg = self.config
+        plan = plan_for_optimizer(
+            offloaded_shapes=offloaded_shapes, param_dtype=param_dtype, grad_dtype=cfg.grad_dtype,
+            step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
+            update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
+            overlap=cfg.overlap, cpu_threads=cfg.cpu_threads,
+        )
+        self.plan = plan
+        u = int(plan.update_interval)
+        s = cfg.select_interval
+        if s is None:
+            select = cfg.replace(update_interval=u).resolved_select_interval()
+        else:
+            select = math.ceil(s / u) * u
+            if select != s:
+                logger.warning("select_interval=%d rounded up to %d, a multiple of the chosen update_interval=%d",
+                               s, select, u)
+        threads = self.resolved.cpu_threads
+        if cfg.cpu_threads is None:
+            threads = max(1, min(int(plan.cpu_threads), host_thread_limit()))
+        self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
+                                              select_interval=select, cpu_threads=threads)
+        logger.info("zenflow_triton auto: topk_ratio=%.3g update_interval=%d cpu_threads=%d: %s",
+                    self.resolved.topk_ratio, u, threads, plan.reason)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: self.value(name) for name in _CHECKPOINT_KEYS}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Take the checkpoint's ``topk_ratio``, ``update_interval`` and ``select_interval`` (None: still "auto").
+        ``cpu_threads`` stays this machine's: the thread count never changes results, and a checkpoint's may
+        exceed what this process can run."""
+        r = saved.get("topk_ratio", self.value("topk_ratio"))
+        u = saved.get("update_interval", self.value("update_interval"))
+        s = saved.get("select_interval", self.value("select_interval"))
+        self.resolved = self.resolved.replace(
+            topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
+            select_interval=s if u is not None else self.config.select_interval,
+        )

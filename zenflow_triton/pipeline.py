@@ -1,0 +1,322 @@
+"""The pipeline of host windows (DESIGN §5): everything between a window's gradient sum on the device and its
+AdamW result back in the parameter.
+
+One :class:`Pipeline` per optimizer owns the host worker thread, the host slabs and each offloaded parameter's
+record (landing buffer, snapshot, masks), the copy stream and its events, the device staging buffers, and the
+one host job in flight. The optimizer's schedule calls it at four points: :meth:`Pipeline.begin_step` before a
+parameter's step, :meth:`Pipeline.takes_gradient` at a one-step window, :meth:`Pipeline.end_windows` at a window
+end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``).
+
+On CPU tensors (no GPU) "device" and host memory are one, and three copies are skipped behind this interface:
+a one-step window that ``step()`` waits for reads the gradient where it is and writes the parameter directly
+(:meth:`takes_gradient`); ``acc`` and the landing buffer trade places at each window end; and an fp32 parameter
+with ``overlap=False`` is its own host master (:func:`state.allocate`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping, MutableMapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ZenFlowConfig
+from .host_memory import HostSlab
+from .kernels import AdamHyperparams, DeviceOps, load_device_ops
+from .state import OffloadedParam, allocate, init_offloaded, load_offloaded
+from .worker import HostWorker, WorkerError, host_thread_limit
+
+__all__ = ["HostItem", "Pipeline", "Stats", "Window", "run_host_job"]
+
+State = MutableMapping[torch.Tensor, dict[str, Any]]
+
+
+@dataclass
+class Stats:
+    """Counters behind ``ZenFlowAdamW.stats()`` (DESIGN §7), shared by the optimizer and its pipeline."""
+
+    steps: int = 0
+    windows: int = 0
+    selections: int = 0
+    stall_s: float = 0.0
+    host_job_s: float = 0.0
+    device_opt_s: float = 0.0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    selected_energy_fraction: float = float("nan")
+    columns_changed_last_selection: int = 0
+    stall_at_plan: float = 0.0
+    windows_at_plan: int = 0
+
+
+@dataclass(frozen=True)
+class Window:
+    """One parameter's window ending at this step: its group's hyperparameters now, and the gradient to apply when
+    the host reads this step's gradient in place (:meth:`Pipeline.takes_gradient`), else None (the sum is in acc)."""
+
+    param: torch.Tensor
+    hp: AdamHyperparams
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class HostItem:
+    """One parameter's share of a host job: host buffers and the hyperparameters captured at the window end."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    slot: torch.Tensor
+    unselected: torch.Tensor
+    col_step: torch.Tensor
+    snapshot: torch.Tensor | None
+    count: int
+    hp: AdamHyperparams
+
+
+def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
+    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent."""
+    # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
+    from .kernels.cpu_adamw import host_adamw_
+
+    start = time.perf_counter()
+    if ready is not None:
+        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them
+        # before it completes would see the previous window's bytes.
+        ready.synchronize()
+    for it in items:
+        # Each column's bias correction counts its own updates: one more for every column updated here.
+        it.col_step.add_(it.unselected)
+        host_adamw_(it.master, it.exp_avg, it.exp_avg_sq, it.grad, count=it.count, slot=it.slot,
+                    col_step=it.col_step, hp=it.hp, snapshot=it.snapshot, num_threads=num_threads)
+    return time.perf_counter() - start
+
+
+class Pipeline:
+    """The host side of one optimizer: worker, slabs, records, copy stream, staging and the job in flight.
+
+    ``config`` is the user's (``overlap``, ``grad_dtype``, ``backend``, ``cpu_threads``, ``worker_timeout`` are
+    read); ``stats`` the optimizer's counters. State dicts are passed in by each call (the optimizer's ``state``).
+    """
+
+    def __init__(self, config: ZenFlowConfig, stats: Stats) -> None:
+        self.config = config
+        self.stats = stats
+        self.records: dict[torch.Tensor, OffloadedParam] = {}
+        self.slabs: list[HostSlab] = []
+        self.failure: BaseException | None = None
+        self.closed = False
+        self._ops: DeviceOps | None = None
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._job: Future | None = None  # the host job in flight
+        self.worker = HostWorker()
+        # The worker stops when the optimizer is collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, self.worker.close)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def device_ops(self, device: torch.device) -> DeviceOps:
+        """The device-side kernels of ``config.backend`` for ``device``, loaded at first use."""
+        if self._ops is None:
+            self._ops = load_device_ops(self.config.backend, device)
+        return self._ops
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ZenFlowAdamW was closed; create a new optimizer")
+        if self.failure is not None:
+            raise RuntimeError("this ZenFlowAdamW stopped after a host worker failure") from self.failure
+
+    def raise_finished_job_error(self) -> None:
+        """Re-raise, at the next ``step()``, an exception that the job in flight ended with."""
+        job = self._job
+        if job is not None and job.done() and job.exception() is not None:
+            self._job = None
+            exc = job.exception()
+            self.failure = exc
+            raise RuntimeError("the host worker failed during an earlier window") from exc
+
+    def close(self, state: State) -> None:
+        """Apply host work still in flight (unless the worker failed), stop the worker, release host buffers."""
+        if self.closed:
+            return
+        try:
+            if self.failure is None:
+                self.wait(state, merge=True)
+        finally:
+            self.closed = True
+            self.worker.close()
+            self._finalizer.detach()
+            self.slabs.clear()
+            self.records.clear()
+            self._staging.clear()
+
+    # ------------------------------------------------------------------ host state
+
+    def add(self, params: Sequence[torch.Tensor], state: State) -> None:
+        """Host state for parameters stepping for the first time: one slab, fresh state."""
+        slab, records = allocate(params, state, grad_dtype=self._grad_dtype(), overlap=self.config.overlap)
+        self.slabs.append(slab)
+        self.records.update(records)
+        for p, rec in records.items():
+            init_offloaded(p, state[p], rec)
+
+    def load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], state: State) -> None:
+        """Replace all host state by saved state (``load_state_dict``): the old slabs go, one new slab holds all."""
+        self.records.clear()
+        self.slabs.clear()
+        if not saved:
+            return
+        slab, records = allocate([p for p, _ in saved], state, grad_dtype=self._grad_dtype(),
+                                 overlap=self.config.overlap)
+        self.slabs.append(slab)
+        self.records.update(records)
+        for p, entries in saved:
+            load_offloaded(p, state[p], records[p], entries)
+
+    def _grad_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
+
+    # ------------------------------------------------------------------ the schedule's calls
+
+    def begin_step(self, p: torch.Tensor, st: dict[str, Any]) -> None:
+        """Before ``p`` steps: make its buffers safe to use for this step."""
+        rec = self.records[p]
+        if rec.master_is_param and st["host_master"].data_ptr() != p.data_ptr():
+            # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
+            # plain torch optimizer would read them, instead of updates landing in memory the model let go.
+            st["host_master"] = p.detach().view(rec.rows, rec.cols)
+        if rec.d2h_done is not None and st["acc_count"] == 0:
+            # This step overwrites acc, which the copy stream may still be reading for the host job.
+            torch.cuda.current_stream(p.device).wait_event(rec.d2h_done)
+            rec.d2h_done = None
+
+    def takes_gradient(self, p: torch.Tensor, st: dict[str, Any], *, waited: bool) -> bool:
+        """Whether a window of this step alone, with nothing selected, can hand ``p.grad`` itself to the host job:
+        on CPU tensors, when ``step()`` waits for the window anyway (``waited``), the host kernel reads the
+        gradient where it is and writes the parameter, which skips the device pass (acc = g) and the landing copy:
+        7 streams instead of 13. With a bf16 landing buffer only bf16 gradients qualify (others would skip the
+        rounding a GPU run applies, and CPU and GPU runs of one configuration would part ways)."""
+        rec = self.records[p]
+        lands_exactly = self.config.grad_dtype == "float32" or p.dtype == torch.bfloat16
+        return (p.device.type == "cpu" and waited and st["acc_count"] == 0 and rec.masks.num_unselected == rec.cols
+                and lands_exactly)
+
+    def end_windows(self, windows: Sequence[Window], state: State, *, sync: bool, cpu_threads: int) -> None:
+        """DESIGN §5: wait for the previous job and apply it, ship this window's sums, submit the next job (and,
+        with ``sync``, wait for it and apply it too)."""
+        self.wait(state, merge=True)
+        device = windows[0].param.device
+        ready = self._ship_sums(windows, state) if device.type == "cuda" else None
+        items = [self._host_item(w, state[w.param], ready) for w in windows]
+        self.stats.windows += 1
+        # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
+        threads = cpu_threads
+        if sync and self.config.cpu_threads is None:
+            threads = max(threads, host_thread_limit())
+        try:
+            future = self.worker.submit(run_host_job, items, ready, threads)
+        except WorkerError as exc:
+            self.failure = exc
+            raise
+        self._job = future
+        if sync:
+            self.wait(state, merge=True)
+
+    def _ship_sums(self, windows: Sequence[Window], state: State) -> torch.cuda.Event:
+        """Start the device-to-host copies of the windows' sums on the copy stream; the event marks their end."""
+        device = windows[0].param.device
+        compute = torch.cuda.current_stream(device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        copy = self._copy_stream
+        sources = []
+        for w in windows:
+            acc = state[w.param]["acc"]
+            sources.append(acc.to(torch.bfloat16) if self.config.grad_dtype == "bfloat16" else acc)
+        # The copies may start only after this step's fused kernels finished writing acc.
+        copy.wait_stream(compute)
+        with torch.cuda.stream(copy):
+            for w, src in zip(windows, sources):
+                self.records[w.param].landing.copy_(src, non_blocking=True)
+                src.record_stream(copy)
+            ready = torch.cuda.Event()
+            ready.record(copy)
+        return ready
+
+    def _host_item(self, w: Window, st: dict[str, Any], ready: torch.cuda.Event | None) -> HostItem:
+        p, rec = w.param, self.records[w.param]
+        snapshot = rec.snapshot
+        if w.grad is not None:
+            grad, count = w.grad, 1
+            # The kernel writes the parameter: through the master itself, or as the snapshot it rounds into.
+            snapshot = None if rec.master_is_param else p.detach().view(rec.rows, rec.cols)
+        elif ready is not None:
+            grad, count = rec.landing, st["acc_count"]
+            rec.d2h_done = ready
+        elif rec.landing.dtype == st["acc"].dtype:
+            # CPU tensors: acc and the landing buffer are both host memory, so they trade places instead of
+            # copying (12 bytes per parameter and window saved); the next window overwrites the other one.
+            st["acc"], rec.landing = rec.landing, st["acc"]
+            grad, count = rec.landing, st["acc_count"]
+        else:
+            rec.landing.copy_(st["acc"])
+            grad, count = rec.landing, st["acc_count"]
+        self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        st["acc_count"] = 0
+        # A result written straight into the parameter needs no merge.
+        st["pending"] = not (w.grad is not None or rec.master_is_param)
+        return HostItem(master=st["host_master"], exp_avg=st["host_exp_avg"], exp_avg_sq=st["host_exp_avg_sq"],
+                        grad=grad, slot=rec.masks.host_slot, unselected=rec.masks.unselected,
+                        col_step=st["host_col_step"], snapshot=snapshot, count=count, hp=w.hp)
+
+    def wait(self, state: State, *, merge: bool) -> None:
+        """Wait for the job in flight (time counted as stall); with ``merge``, write every pending host result into
+        its parameter's unselected columns."""
+        job = self._job
+        if job is not None:
+            start = time.perf_counter()
+            try:
+                self.stats.host_job_s += self.worker.wait(job, self.config.worker_timeout)
+            except WorkerError as exc:
+                self.failure = exc
+                raise
+            except BaseException as exc:
+                self.failure = exc
+                raise RuntimeError("the host worker failed during a window") from exc
+            finally:
+                self._job = None
+                self.stats.stall_s += time.perf_counter() - start
+        if merge:
+            with torch.no_grad():
+                for p, rec in self.records.items():
+                    st = state[p]
+                    if st.get("pending"):
+                        self._merge(p, st, rec)
+
+    def _merge(self, p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> None:
+        source = rec.snapshot if rec.snapshot is not None else st["host_master"]
+        w2 = p.view(rec.rows, rec.cols)
+        ops = self.device_ops(p.device)
+        if p.device.type == "cuda":
+            numel = source.numel()
+            staging = self._staging.get(p.dtype)
+            if staging is None or staging.numel() < numel:
+                staging = torch.empty(numel, dtype=p.dtype, device=p.device)
+                self._staging[p.dtype] = staging
+            view = staging[:numel].view(rec.rows, rec.cols)
+            # Ordered on the compute stream, so it lands before the merge and before anything that
+            # follows; the next host job starts writing the snapshot only after a copy-stream event
+            # recorded later than this copy on the same compute stream, so the source stays intact.
+            view.copy_(source, non_blocking=True)
+            ops.merge_(w2, view, st["slot"])
+        else:
+            ops.merge_(w2, source, st["slot"])
+        self.stats.h2d_bytes += source.numel() * source.element_size()
+        st["pending"] = False
