@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from common import make_slot
+from providers import HP, OPTIMIZER_HP
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,6 @@ ROWS = COLS = 8192
 RATIOS = [0.05, 0.1, 0.25]  # selected fraction r; 0.1 is the library's default
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ROUNDS, WARMUP = 30, 3
-HP = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
 def _fused_step_bytes(rows: int, cols: int, k: int, elem: int) -> int:
@@ -104,7 +104,7 @@ def test_fused_step(benchmark, dtype, r):
         master=torch.randn(ROWS, k, device=dev).mul_(0.02), exp_avg=torch.randn(ROWS, k, device=dev).mul_(1e-3),
         exp_avg_sq=torch.rand(ROWS, k, device=dev).mul_(1e-6), acc=torch.zeros(ROWS, COLS, device=dev),
     )
-    fn = _timed(lambda: fused_step_(param, grad, **state, **HP, accumulate=True))
+    fn = _timed(lambda: fused_step_(param, grad, **state, hp=OPTIMIZER_HP, accumulate=True))
     benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     _record(benchmark, _fused_step_bytes(ROWS, COLS, k, param.element_size()), ROWS * COLS)
 
@@ -131,8 +131,7 @@ def test_torch_adamw_fused(benchmark, dtype):
     dt = DTYPES[dtype]
     p = torch.nn.Parameter(torch.randn(ROWS, COLS, device="cuda").mul_(0.02).to(dt))
     p.grad = torch.randn(ROWS, COLS, device="cuda").mul_(1e-3).to(dt)
-    opt = torch.optim.AdamW([p], **{k: v for k, v in HP.items() if k not in ("beta1", "beta2")},
-                            betas=(HP["beta1"], HP["beta2"]), fused=True)
+    opt = torch.optim.AdamW([p], **HP, fused=True)
     benchmark.pedantic(_timed(opt.step), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     _record(benchmark, _adamw_bytes(p.numel(), p.element_size()), p.numel())
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import gpu_suite
 import pytest
 import torch
-from report_cpu import OptimizerProvider
+from providers import OptimizerProvider
 
 
 def test_dry_run_end_to_end(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Run: ``python -m pytest bench/bench_host_adamw.py -p no:cacheprovider -o python_files='bench_*.py'``
 (smoke, as CI runs it: ``ZENFLOW_BENCH_SMOKE=1 ... --benchmark-disable``).
 
-Providers (bench/common.py builds them; each test builds only its own buffers): the memory-bandwidth ceiling
+Providers (bench/providers.py builds them; each test builds only its own buffers): the memory-bandwidth ceiling
 (same 28 bytes/param, trivial math), ``torch.optim.AdamW(fused=True)``, the same followed by a separate
 fp32 -> bf16 copy of the weights, DeepSpeed's ``DeepSpeedCPUAdam`` (skipped when deepspeed does not import), and
 ``host_adamw_`` with fp32 grad, or bf16 grad in and bf16 snapshot out, at 0%, 10% and 50% of columns selected.
@@ -19,7 +19,8 @@ from __future__ import annotations
 import gc
 
 import pytest
-from common import SMOKE, bench_numel, bench_rounds, bench_threads, deepspeed_cpu_adam, make_providers
+from common import SMOKE, bench_numel, bench_rounds, bench_threads
+from providers import deepspeed_cpu_adam, host_adamw_providers
 
 # References first: the ratios of the later tests read their medians.
 PROVIDERS = [
@@ -41,7 +42,7 @@ _MEDIANS: dict[str, float] = {}
 def test_host_adamw_providers(benchmark, name: str) -> None:
     if name == "deepspeed" and deepspeed_cpu_adam() is None:
         pytest.skip("deepspeed is not installed (or its CPUAdam op does not build)")
-    provider = make_providers(bench_numel(), threads=bench_threads(), names=(name,))[name]
+    provider = host_adamw_providers(bench_numel(), threads=bench_threads(), names=(name,))[name]
     benchmark.group = "host adamw"
     benchmark.pedantic(provider.step, rounds=bench_rounds(), warmup_rounds=0 if SMOKE else 1, iterations=1)
     stats = getattr(benchmark, "stats", None)

@@ -1,6 +1,6 @@
 """The optimizer step end to end on the default device (CUDA if present, else CPU), every provider in one run.
 
-Providers (``report_cpu.optimizer_providers``): ``torch.optim.AdamW(fused=True)`` (the baseline), torch's default
+Providers (``providers.optimizer_providers``): ``torch.optim.AdamW(fused=True)`` (the baseline), torch's default
 AdamW, synchronous offload (``ZenFlowAdamW(topk_ratio=0, update_interval=1, overlap=False)``: what ZeRO-Offload does
 every step), ZenFlowAdamW with ``topk_ratio=0.1, update_interval=4``, and ZenFlowAdamW ``"auto"`` (skipped when the
 autotuner does not import).
@@ -30,8 +30,14 @@ from typing import Any
 
 import pytest
 import torch
-from common import SMOKE
-from report_cpu import auto_unavailable_reason, close_optimizer, gradient_sets, optimizer_memory, optimizer_providers
+from common import SMOKE, gradient_sets
+from providers import (
+    auto_unavailable_reason,
+    close_optimizer,
+    optimizer_memory,
+    optimizer_providers,
+    steps_before_selection,
+)
 
 from zenflow_triton.demo.charlm import CharLM, CharLMConfig
 
@@ -106,11 +112,8 @@ def _open(name: str, variant: str) -> _Session:
 
     session = _Session(name, variant, model, opt, step, TORCH_WINDOW, 1)
     if provider.zenflow:
-        from zenflow_triton.optimizer import AUTO_WARMUP_STEPS
-
-        cfg = opt.config
-        warm = max(cfg.warmup_steps, AUTO_WARMUP_STEPS) if cfg.is_auto else cfg.warmup_steps
-        for _ in range(warm + 1):  # the warm-up, then the first selection step, which resolves "auto"
+        # The warm-up, then the first selection step, which resolves "auto".
+        for _ in range(steps_before_selection(opt) + 1):
             step()
         s = opt.stats()
         session.window = int(s["update_interval"])

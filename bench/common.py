@@ -1,4 +1,9 @@
-"""Shared set-up for the benches: sizes, buffer factories, the memory-bandwidth ceiling, timing helpers.
+"""Shared set-up for the benches: sizes and knobs, workload factories, timing helpers, machine description.
+
+What the benches *compare* (host AdamW kernels, optimizers) is built in ``providers.py``; this module builds what
+they run on. Benches import both by their bare names (``from common import ...``): a script run as
+``python bench/x.py`` has ``bench/`` first on ``sys.path``, and so does pytest (``bench/`` holds a ``conftest.py``
+and no ``__init__.py``).
 
 Sizes: ``ZENFLOW_BENCH_NUMEL`` (default 64M parameters, 1.8 GB of AdamW traffic per step: far past the 32 MiB
 last-level cache of the machine the README quotes) and ``ZENFLOW_BENCH_SMOKE=1`` (64K parameters, a couple of
@@ -8,43 +13,50 @@ numba and torch alike. Rounds: ``ZENFLOW_BENCH_ROUNDS`` (default 9).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import platform
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numba
-import numpy as np
 import torch
-from numba import njit, prange
 
 __all__ = [
-    "BYTES_PER_PARAM",
+    "BENCH_DIR",
+    "GRAD_SETS",
+    "MATRIX_DIM",
     "SMOKE",
     "HostBuffers",
-    "Provider",
     "bench_numel",
     "bench_rounds",
     "bench_shape",
     "bench_threads",
-    "ceiling_",
-    "deepspeed_cpu_adam",
+    "gradient_sets",
+    "load_average",
+    "machine_info",
     "make_host_buffers",
-    "make_providers",
     "make_slot",
+    "make_weights",
     "median_seconds",
 ]
 
+BENCH_DIR = Path(__file__).resolve().parent
+
 SMOKE = os.environ.get("ZENFLOW_BENCH_SMOKE", "0") not in ("", "0")
 
-# Bytes each provider must move per parameter (GB/s figures use these; write-allocate reads are not counted).
-# AdamW reads master, m, v, grad and writes master, m, v: fp32 grad 4 * 4 + 3 * 4 = 28. bf16 grad in and bf16
-# snapshot out: 12 + 2 read, 12 + 2 written = 28 as well. torch fused AdamW (fp32 grad) then a separate
-# fp32 -> bf16 copy of the weights: 28 + 4 read + 2 written = 34.
-BYTES_PER_PARAM = {"fp32": 28, "bf16": 28, "torch+copy": 34, "ceiling": 28}
-
 _COLS = 16384  # a 4096 x 16384 matrix at 64M: the shape of a large MLP weight; rows give the parallelism
+
+MATRIX_DIM = 2048  # the optimizer benches' weight matrices are [2048, 2048]
+GRAD_SETS = 4  # distinct gradients cycled through the steps: enough that no step reuses its predecessor's
+
+
+# ----------------------------------------------------------------------------------------------------- knobs
 
 
 def bench_numel() -> int:
@@ -66,6 +78,9 @@ def bench_threads() -> int:
 
 def bench_rounds() -> int:
     return 2 if SMOKE else int(os.environ.get("ZENFLOW_BENCH_ROUNDS", "9"))
+
+
+# ----------------------------------------------------------------------------------------------------- host buffers
 
 
 @dataclass
@@ -115,35 +130,40 @@ def make_slot(cols: int, selected: float, *, pattern: str = "random", seed: int 
     return slot
 
 
-# No cache=True here: numba's cache records the importing module's name, and this file is imported both as
-# `common` (pytest, scripts) and possibly as `bench.common`; a cache written under one name breaks the other.
-@njit(nogil=True)
-def _ceiling_run(p, m, v, g, a, b):  # pragma: no cover - numba
-    # Its own function with unsigned indices so that LLVM vectorizes it (see kernels/cpu_adamw.py).
-    for i in range(a, b):
-        gi = g[i]
-        p[i] = p[i] + gi
-        m[i] = m[i] + gi
-        v[i] = v[i] + gi
+# ------------------------------------------------------------------------------------------ optimizer workload
 
 
-@njit(parallel=True, nogil=True)
-def _ceiling_kernel(p, m, v, g, chunk):  # pragma: no cover - numba
-    n = p.shape[0]
-    for c in prange((n + chunk - 1) // chunk):
-        a = c * chunk
-        _ceiling_run(p, m, v, g, np.uint64(a), np.uint64(min(a + chunk, n)))
+def make_weights(num_params: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """``[2048, 2048]`` weight matrices (smaller squares below 4M parameters) totalling about ``num_params``,
+    each followed by its resident ``[rows]`` bias, initialized like a Linear layer (std 0.02)."""
+    dim = MATRIX_DIM if num_params >= 4 * MATRIX_DIM**2 else max(64, int((num_params / 4) ** 0.5) // 64 * 64)
+    count = max(1, round(num_params / dim**2))
+    gen = torch.Generator().manual_seed(seed)
+    out: list[torch.Tensor] = []
+    for _ in range(count):
+        out.append(torch.nn.Parameter(torch.randn(dim, dim, generator=gen).mul_(0.02).to(dtype)))
+        out.append(torch.nn.Parameter(torch.zeros(dim, dtype=dtype)))
+    return out
 
 
-def ceiling_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
-    """Same traffic as fp32 AdamW (read 4 fp32 arrays, write 3), trivial math: the memory-bandwidth ceiling.
+def gradient_sets(params: Sequence[torch.Tensor], count: int = GRAD_SETS, *, seed: int = 1) -> list[list[torch.Tensor]]:
+    """``count`` gradient lists for ``params``; matrices get a fixed log-normal scale per column, as real
+    gradients concentrate their energy in a few input channels (what ZenFlow's top-k selection exploits)."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = [torch.randn(p.shape[-1], generator=gen).exp_() if p.dim() >= 2 else None for p in params]
+    sets = []
+    for _ in range(count):
+        grads = []
+        for p, s in zip(params, scales):
+            g = torch.randn(p.shape, generator=gen).mul_(1e-3)
+            if s is not None:
+                g.mul_(s)
+            grads.append(g.to(p.dtype))
+        sets.append(grads)
+    return sets
 
-    A plain streaming loop, as the issue defines it (no software prefetch): host_adamw_'s prefetching can
-    take it slightly past this "ceiling" on a quiet machine.
-    """
-    # Work items of 16384 elements; the item size makes no measurable difference from 1024 to 65536 (the same
-    # sweep for host_adamw_'s _CHUNK_COLS).
-    _ceiling_kernel(p.view(-1).numpy(), m.view(-1).numpy(), v.view(-1).numpy(), g.view(-1).numpy(), 16384)
+
+# ----------------------------------------------------------------------------------------------------- timing
 
 
 def median_seconds(fn: Callable[[], object], *, rounds: int, warmup: int = 1) -> float:
@@ -158,93 +178,54 @@ def median_seconds(fn: Callable[[], object], *, rounds: int, warmup: int = 1) ->
     return statistics.median(times)
 
 
-@dataclass
-class Provider:
-    """One way of doing a host AdamW step on a ``[R, C]`` parameter; ``step()`` runs it once, in place."""
-
-    name: str
-    step: Callable[[], object]
-    numel: int
-    bytes_per_param: int
-    updated_fraction: float = 1.0
-    group: str = "fp32"  # providers in a group are compared with each other: "fp32" or "bf16"
+# ----------------------------------------------------------------------------------------------------- machine
 
 
-def _host_kwargs(b: HostBuffers, slot: torch.Tensor, threads: int) -> dict:
-    return dict(count=1, slot=slot, col_step=b.col_step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                weight_decay=0.01, snapshot=b.snapshot, num_threads=threads)
-
-
-def deepspeed_cpu_adam() -> type | None:
-    """DeepSpeed's ``DeepSpeedCPUAdam`` when deepspeed imports and its C++ op builds, else None."""
+def load_average() -> tuple[float, float, float]:
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except Exception:  # ImportError, or deepspeed's own errors when its accelerator or op builder is unusable
-        return None
-    return DeepSpeedCPUAdam
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
 
 
-def make_providers(
-    numel: int | None = None, *, threads: int | None = None, selected: tuple[float, ...] = (0.0, 0.1, 0.5),
-    patterns: tuple[str, ...] = ("random",), names: tuple[str, ...] | None = None,
-) -> dict[str, Provider]:
-    """Every provider the README table compares, each on its own buffers (a provider never sees another's data).
+def machine_info() -> dict[str, Any]:
+    """nproc, CPU model, library versions and git revision: what a results file must state."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
+                             timeout=10).stdout.strip() or "unknown"
+        # Library files changed since that commit make the revision alone an incomplete description of the code.
+        status = subprocess.run(["git", "status", "--porcelain", "--", "zenflow_triton", "kernels", "autotune"],
+                                cwd=BENCH_DIR, capture_output=True, text=True, timeout=10).stdout.split("\n")
+        dirty = [line[3:] for line in status if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        rev, dirty = "unknown", []
 
-    Providers: ``ceiling``; ``host_adamw fp32 <sel>``; ``torch fused``; ``host_adamw bf16 <sel>`` (bf16 grad in,
-    bf16 snapshot out); ``torch fused + bf16 copy`` (fp32 grad, then ``snapshot.copy_(param)``); ``deepspeed``
-    (``DeepSpeedCPUAdam``, when importable). ``names`` restricts the set (to keep memory down).
-    Sets torch's and numba's thread counts for the process to ``threads``.
-    """
-    from zenflow_triton.kernels.cpu_adamw import host_adamw_
+    try:
+        import triton
 
-    threads = bench_threads() if threads is None else threads
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
-    rows, cols = bench_shape(numel)
-    n = rows * cols
-    out: dict[str, Provider] = {}
-
-    def want(name: str) -> bool:
-        return names is None or name in names
-
-    if want("ceiling"):
-        c = make_host_buffers(rows, cols)
-        out["ceiling"] = Provider("ceiling", lambda: ceiling_(c.master, c.exp_avg, c.exp_avg_sq, c.grad), n,
-                                  BYTES_PER_PARAM["ceiling"])
-    for group, gdt, sdt in (("fp32", torch.float32, None), ("bf16", torch.bfloat16, torch.bfloat16)):
-        todo = [(s, p) for s in selected for p in (patterns if s else ("random",))]
-        labels = {(s, p): f"host_adamw {group} {s:.0%}" + ("" if not s or p == "random" else f" {p}")
-                  for s, p in todo}
-        if not any(want(v) for v in labels.values()):
-            continue
-        b = make_host_buffers(rows, cols, grad_dtype=gdt, snapshot_dtype=sdt, seed=1)
-        for (s, p), label in labels.items():
-            if not want(label):
-                continue
-            kw = _host_kwargs(b, make_slot(cols, s, pattern=p), threads)
-            out[label] = Provider(
-                label, lambda b=b, kw=kw: host_adamw_(b.master, b.exp_avg, b.exp_avg_sq, b.grad, **kw), n,
-                BYTES_PER_PARAM[group], 1.0 - round(s * cols) / cols, group)
-    for label, copy in (("torch fused", False), ("torch fused + bf16 copy", True)):
-        if not want(label):
-            continue
-        t = make_host_buffers(rows, cols, snapshot_dtype=torch.bfloat16 if copy else None, seed=2)
-        param = torch.nn.Parameter(t.master)
-        param.grad = t.grad
-        opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
-        if copy:
-            def step(opt=opt, param=param, snap=t.snapshot):
-                opt.step()
-                snap.copy_(param.detach())
-        else:
-            step = opt.step
-        out[label] = Provider(label, step, n, BYTES_PER_PARAM["torch+copy" if copy else "fp32"], 1.0,
-                              "bf16" if copy else "fp32")
-    cpu_adam = deepspeed_cpu_adam() if want("deepspeed") else None
-    if cpu_adam is not None:
-        d = make_host_buffers(rows, cols, seed=3)
-        dparam = torch.nn.Parameter(d.master)
-        dparam.grad = d.grad
-        dopt = cpu_adam([dparam], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, adamw_mode=True)
-        out["deepspeed"] = Provider("deepspeed", dopt.step, n, BYTES_PER_PARAM["fp32"])
-    return out
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton_version,
+        "numba": numba.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "git_rev": rev,
+        "library_files_changed_since_rev": dirty,
+        "load_average": load_average(),
+    }

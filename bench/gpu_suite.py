@@ -14,9 +14,9 @@ Phases, each with its own time limit, so one that hangs or fails does not take t
 
 1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR);
 2. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess;
-3. end to end, in this process: a plain-torch Llama-style decoder (1.37B parameters by default, random init, bf16,
-   no positional encoding: positions do not change the cost) fine-tuned for some steps with each provider: no
-   offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
+3. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
+   random init, bf16, no positional encoding: positions do not change the cost) fine-tuned for some steps with each
+   provider: no offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
    ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload schedule), torchao's
    ``CPUOffloadOptimizer`` (when torchao imports), and ZenFlowAdamW (fixed ``0.1 / 4``, and ``"auto"`` when the
    autotuner imports). Per provider: seconds per step over whole windows, the optimizer's share of the step, the
@@ -50,23 +50,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-if str(BENCH_DIR) not in sys.path:  # run as a script: the shared bench modules sit next to this file
-    sys.path.insert(0, str(BENCH_DIR))
-
-from report_cpu import (  # noqa: E402  (after the path set-up above)
+from common import BENCH_DIR, load_average, machine_info
+from decoder import Decoder, DecoderConfig
+from providers import (
     OptimizerProvider,
     auto_unavailable_reason,
     close_optimizer,
-    load_average,
-    machine_info,
     optimizer_memory,
     optimizer_providers,
+    steps_before_selection,
 )
+
+REPO = BENCH_DIR.parent
 
 NEEDS_GPU = "gpu_suite: needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to check the script on CPU"
 # The whole suite must finish in 8 minutes on one H200; the phases share this budget, and the margin covers
@@ -76,78 +71,6 @@ BUDGET_QUICK_S = 210.0
 
 
 # ----------------------------------------------------------------------------------------------------- the decoder
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Shape of the Llama-style decoder (pre-norm RMSNorm, fused QKV, SwiGLU MLP, untied head)."""
-
-    vocab: int = 32000
-    """Vocabulary size: embedding and head are [vocab, d_model] matrices, as in real fine-tuning."""
-    d_model: int = 2048
-    """Width of the residual stream."""
-    n_layer: int = 24
-    """Transformer blocks; 24 at d_model 2048 gives 1.37B parameters."""
-    n_head: int = 16
-    """Attention heads (head dim 128, what flash attention is fastest at)."""
-    ffn: int = 5632
-    """Hidden width of the SwiGLU MLP (about 8/3 d_model, rounded to a multiple of 256)."""
-
-    def num_params(self) -> int:
-        d, f = self.d_model, self.ffn
-        return 2 * self.vocab * d + self.n_layer * (4 * d * d + 3 * d * f + 2 * d) + d
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics: bf16 mean-of-squares loses the small activations' scale.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.attn_norm = RMSNorm(cfg.d_model)
-        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.mlp_norm = RMSNorm(cfg.d_model)
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn, bias=False)
-        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.wqkv(self.attn_norm(x)).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
-
-
-class Decoder(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-
-    def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, self.cfg.vocab), target.view(-1))
 
 
 # ----------------------------------------------------------------------------------------------------- settings
@@ -317,10 +240,7 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
         window, timed = 1, s.timed_steps
         t0 = time.perf_counter()
         if provider.zenflow:
-            from zenflow_triton.optimizer import AUTO_WARMUP_STEPS
-
-            cfg = opt.config
-            for _ in range((max(cfg.warmup_steps, AUTO_WARMUP_STEPS) if cfg.is_auto else cfg.warmup_steps) + 1):
+            for _ in range(steps_before_selection(opt) + 1):
                 train_step()
             st = opt.stats()
             window = int(st["update_interval"])

@@ -1,4 +1,5 @@
-"""Issue 3's acceptance numbers on CPU tensors: every optimizer timed in ONE process on the same weights.
+"""The optimizer step on CPU tensors against torch's fused AdamW: every optimizer timed in ONE process on the same
+weights, with the verdicts on the project's CPU goals.
 
 Run: ``python bench/report_cpu.py [--params N] [--rounds R] [--out DIR] [--profile PROVIDER]``, or
 ``python bench/report_cpu.py --ops`` for the single-thread cost of each operation of a ZenFlow step.
@@ -6,6 +7,8 @@ Run: ``python bench/report_cpu.py [--params N] [--rounds R] [--out DIR] [--profi
 The weights are ``[2048, 2048]`` fp32 matrices (about 33M parameters by default, eight of them) plus one resident
 bias per matrix; each step's gradients come from a few precomputed random sets with a fixed per-column scale (so
 top-k selection has stable, realistic structure). There is no forward or backward: this measures ``step()``.
+The weights, the gradients (``common.py``) and the optimizers (``providers.py``) are the ones every optimizer
+bench uses.
 
 One *round* of a provider is one selection period of ZenFlow (``select_interval`` steps, 8 windows by default),
 so it contains exactly one selection step; a ZenFlow round ends with ``flush()`` inside the timed region, so
@@ -20,9 +23,6 @@ Reported per ZenFlow provider:
 - ``step excl. selection``: the mean over the windows that hold no selection step (steady state);
 - stall per step (``stats()['stall_s']``) and host bytes per offloaded parameter
   (``stats()['host_bytes_per_param']``).
-
-This module also holds the optimizer providers (the factories every optimizer bench builds its optimizers
-with): ``bench_optimizer.py`` and ``gpu_suite.py`` import them from here.
 """
 
 from __future__ import annotations
@@ -32,11 +32,8 @@ import cProfile
 import datetime as dt
 import gc
 import json
-import os
-import platform
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,174 +42,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import BENCH_DIR, SMOKE, gradient_sets, load_average, machine_info, make_weights
+from providers import (
+    HP,
+    OPTIMIZER_HP,
+    OptimizerProvider,
+    auto_unavailable_reason,
+    close_optimizer,
+    optimizer_memory,
+    optimizer_providers,
+    steps_before_selection,
+)
 
-__all__ = [
-    "HP",
-    "OptimizerProvider",
-    "auto_unavailable_reason",
-    "close_optimizer",
-    "gradient_sets",
-    "machine_info",
-    "make_weights",
-    "optimizer_memory",
-    "optimizer_providers",
-    "load_average",
-]
+from zenflow_triton.kernels import load_device_ops
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # run as a script: `common` sits next to this file
-    sys.path.insert(0, str(BENCH_DIR))
+__all__ = ["main"]
 
-from common import SMOKE  # noqa: E402  (after the path set-up above)
-
-# The same hyperparameters for every provider; lr small enough that weights stay sane over hundreds of steps.
-HP: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
-ISSUE3_PARAMS = 33_554_432  # 8 x [2048, 2048]: "~33M params" of the issue
-MATRIX_DIM = 2048
-GRAD_SETS = 4  # distinct gradients cycled through the steps: enough that no step reuses its predecessor's
-
-
-# ----------------------------------------------------------------------------------------------------- providers
-
-
-@dataclass(frozen=True)
-class OptimizerProvider:
-    """One way to optimize a list of parameters; ``build(params)`` returns a ready ``torch.optim`` optimizer."""
-
-    name: str
-    label: str
-    build: Callable[[Sequence[torch.Tensor]], Any]
-    zenflow: bool = False
-    note: str = ""
-
-
-def auto_unavailable_reason() -> str | None:
-    """None when ZenFlowAdamW's ``"auto"`` knobs can run here, else why not (the autotuner is still being written)."""
-    try:
-        from zenflow_triton.autotune import plan_for_optimizer  # noqa: F401
-    except Exception as exc:  # ImportError, or the package's own import-time errors while it is in progress
-        return f"zenflow_triton.autotune.plan_for_optimizer unavailable: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _torchao_offload() -> type | None:
-    """torchao's ``CPUOffloadOptimizer`` (its import path moved out of ``prototype`` in 2025), or None."""
-    for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
-        try:
-            mod = __import__(module, fromlist=["CPUOffloadOptimizer"])
-            return mod.CPUOffloadOptimizer
-        except Exception:  # ImportError, or torchao failing on this torch build: either way, not usable
-            continue
-    return None
-
-
-def optimizer_providers(
-    *, cpu_threads: int | None = None, extra: Sequence[str] = (), auto: bool = True,
-    zenflow_kwargs: dict[str, Any] | None = None,
-) -> dict[str, OptimizerProvider]:
-    """The providers every optimizer bench compares, in a stable order.
-
-    Always: ``torch_adamw_fused`` (the baseline), ``torch_adamw`` (torch's default implementation),
-    ``sync_offload`` (ZenFlowAdamW with ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload
-    schedule), ``zenflow`` (``topk_ratio=0.1, update_interval=4``), and ``zenflow_auto`` when ``auto`` and the
-    autotuner imports. ``extra`` adds ``torchao_offload`` (when torchao imports; CUDA only).
-    ``cpu_threads`` is passed to every ZenFlowAdamW (None: the library's default, all cores but one), and so are
-    ``zenflow_kwargs`` (e.g. a short ``worker_timeout`` for a suite that must not hang).
-    """
-    from zenflow_triton import ZenFlowAdamW
-
-    def zen(**kw: Any) -> Callable[[Sequence[torch.Tensor]], Any]:
-        kw.setdefault("cpu_threads", cpu_threads)
-        kw = {**(zenflow_kwargs or {}), **kw}
-        return lambda params: ZenFlowAdamW(params, **HP, **kw)
-
-    out: dict[str, OptimizerProvider] = {}
-
-    def add(p: OptimizerProvider) -> None:
-        out[p.name] = p
-
-    add(OptimizerProvider("torch_adamw_fused", "torch AdamW fused",
-                          lambda params: torch.optim.AdamW(params, **HP, fused=True)))
-    add(OptimizerProvider("torch_adamw", "torch AdamW (default impl.)", lambda params: torch.optim.AdamW(params, **HP)))
-    add(OptimizerProvider("sync_offload", "sync offload (r=0, U=1, no overlap)",
-                          zen(topk_ratio=0.0, update_interval=1, overlap=False), zenflow=True))
-    add(OptimizerProvider("zenflow", "ZenFlow r=0.1, U=4", zen(topk_ratio=0.1, update_interval=4), zenflow=True))
-    if auto and auto_unavailable_reason() is None:
-        add(OptimizerProvider("zenflow_auto", "ZenFlow auto", zen(topk_ratio="auto", update_interval="auto"),
-                              zenflow=True))
-    if "torchao_offload" in extra:
-        cls = _torchao_offload()
-        if cls is not None:
-            # torchao keeps host copies in the parameter's own dtype (bf16 master and moments for bf16 params).
-            add(OptimizerProvider("torchao_offload", "torchao CPUOffloadOptimizer",
-                                  lambda params: cls(params, torch.optim.AdamW, **HP, fused=True)))
-    return out
-
-
-def close_optimizer(opt: Any) -> None:
-    """Stop ZenFlow's worker and release its host slabs; other optimizers need nothing."""
-    close = getattr(opt, "close", None)
-    if callable(close):
-        close()
-
-
-def optimizer_memory(opt: Any, params: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Bytes the optimizer holds: ZenFlow's own telemetry, or the state tensors of a torch optimizer."""
-    stats = getattr(opt, "stats", None)
-    if callable(stats):
-        s = stats()
-        return {"host_bytes": s["host_bytes"], "pinned_bytes": s["pinned_bytes"],
-                "host_bytes_per_param": s["host_bytes_per_param"], "offloaded_params": s["offloaded_params"]}
-    held = pinned = 0
-    # torchao's CPUOffloadOptimizer keeps one inner optimizer per parameter; torch's keep `state` directly.
-    inner = list(getattr(opt, "optim_dict", {}).values()) or [opt]
-    for o in inner:
-        for st in o.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    held += v.numel() * v.element_size()
-                    pinned += v.numel() * v.element_size() if v.is_pinned() else 0
-    for p_host in getattr(opt, "param_d2h_map", {}).values():  # torchao: pinned host param and its grad
-        for t in (p_host, p_host.grad):
-            if t is not None:
-                held += t.numel() * t.element_size()
-                pinned += t.numel() * t.element_size() if t.is_pinned() else 0
-    n = sum(p.numel() for p in params)
-    return {"state_bytes": held, "pinned_bytes": pinned, "state_bytes_per_param": held / n if n else 0.0}
-
-
-# ----------------------------------------------------------------------------------------------------- workload
-
-
-def make_weights(num_params: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """``[2048, 2048]`` weight matrices (smaller squares below 4M parameters) totalling about ``num_params``,
-    each followed by its resident ``[rows]`` bias, initialized like a Linear layer (std 0.02)."""
-    dim = MATRIX_DIM if num_params >= 4 * MATRIX_DIM**2 else max(64, int((num_params / 4) ** 0.5) // 64 * 64)
-    count = max(1, round(num_params / dim**2))
-    gen = torch.Generator().manual_seed(seed)
-    out: list[torch.Tensor] = []
-    for _ in range(count):
-        out.append(torch.nn.Parameter(torch.randn(dim, dim, generator=gen).mul_(0.02).to(dtype)))
-        out.append(torch.nn.Parameter(torch.zeros(dim, dtype=dtype)))
-    return out
-
-
-def gradient_sets(params: Sequence[torch.Tensor], count: int = GRAD_SETS, *, seed: int = 1) -> list[list[torch.Tensor]]:
-    """``count`` gradient lists for ``params``; matrices get a fixed log-normal scale per column, as real
-    gradients concentrate their energy in a few input channels (what ZenFlow's top-k selection exploits)."""
-    gen = torch.Generator().manual_seed(seed)
-    scales = [torch.randn(p.shape[-1], generator=gen).exp_() if p.dim() >= 2 else None for p in params]
-    sets = []
-    for _ in range(count):
-        grads = []
-        for p, s in zip(params, scales):
-            g = torch.randn(p.shape, generator=gen).mul_(1e-3)
-            if s is not None:
-                g.mul_(s)
-            grads.append(g.to(p.dtype))
-        sets.append(grads)
-    return sets
+DEFAULT_PARAMS = 33_554_432  # 8 x [2048, 2048]: the size of the README's table
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -272,12 +118,7 @@ def start_provider(provider: OptimizerProvider, weights: Sequence[torch.Tensor],
     if not provider.zenflow:
         _steps(run, grad_sets, 3)
         return run
-    from zenflow_triton.optimizer import AUTO_WARMUP_STEPS
-
-    if opt.config.is_auto:
-        _steps(run, grad_sets, max(opt.config.warmup_steps, AUTO_WARMUP_STEPS))
-    else:
-        _steps(run, grad_sets, opt.config.warmup_steps)
+    _steps(run, grad_sets, steps_before_selection(opt))
     _steps(run, grad_sets, 1)  # the first selection step: resolves "auto", fixes U and S
     s = opt.stats()
     run.update_interval, run.select_interval = int(s["update_interval"]), int(s["select_interval"])
@@ -337,9 +178,9 @@ def summarize(run: ProviderRun) -> dict[str, Any]:
             "topk_ratio": s["topk_ratio"],
             "select_interval": s["select_interval"],
             "cpu_threads": s["cpu_threads"],
-            # Which device-side ops ran ("auto" picks per device; the numba ones arrived mid-project): the
-            # module of the resolved backend, read from a private attribute because stats() does not say.
-            "backend": getattr(getattr(run.opt, "_ops", None), "__name__", run.opt.config.backend),
+            # Which device-side ops ran ("auto" picks per device): the module the optimizer's backend resolves to
+            # on these parameters' device, asked of the same public loader the optimizer uses.
+            "backend": load_device_ops(run.opt.config.backend, run.params[0].device).__name__,
         })
         if "auto_reason" in s:
             out["auto_reason"] = s["auto_reason"]
@@ -348,57 +189,6 @@ def summarize(run: ProviderRun) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------- reporting
-
-
-def load_average() -> tuple[float, float, float]:
-    try:
-        return os.getloadavg()
-    except OSError:
-        return (float("nan"),) * 3
-
-
-def machine_info() -> dict[str, Any]:
-    """nproc, CPU model, library versions and git revision: what a results file must state."""
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
-                             timeout=10).stdout.strip() or "unknown"
-        # Library files changed since that commit make the revision alone an incomplete description of the code.
-        status = subprocess.run(["git", "status", "--porcelain", "--", "zenflow_triton", "kernels", "autotune"],
-                                cwd=BENCH_DIR, capture_output=True, text=True, timeout=10).stdout.split("\n")
-        dirty = [line[3:] for line in status if line.strip()]
-    except (OSError, subprocess.SubprocessError):
-        rev, dirty = "unknown", []
-    import numba
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "cpu_model": model,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "triton": triton_version,
-        "numba": numba.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "numba_threads": numba.config.NUMBA_NUM_THREADS,
-        "git_rev": rev,
-        "library_files_changed_since_rev": dirty,
-        "load_average": load_average(),
-    }
 
 
 def _ms(x: float | None) -> str:
@@ -424,7 +214,8 @@ def markdown(results: list[dict[str, Any]], baseline: str = "torch_adamw_fused")
 
 
 def goals(results: list[dict[str, Any]], bf16_bytes_per_param: float | None) -> list[dict[str, Any]]:
-    """Issue 3's three goals, each with the measured figure and a verdict."""
+    """The project's goals for CPU tensors (step time against torch fused AdamW, host bytes per parameter), each with
+    the measured figure and a verdict."""
     by = {r["name"]: r for r in results}
     base = by["torch_adamw_fused"]["step_s"]
     out = []
@@ -480,7 +271,7 @@ def op_costs(num_params: int, *, reps: int = 9, threads: int = 1) -> list[dict[s
     """
     import numba
 
-    from zenflow_triton.kernels import cpu_fused_step as dev
+    from zenflow_triton.kernels import numba_device_ops as dev
     from zenflow_triton.kernels.cpu_adamw import host_adamw_
 
     torch.set_num_threads(threads)
@@ -502,7 +293,6 @@ def op_costs(num_params: int, *, reps: int = 9, threads: int = 1) -> list[dict[s
     compact = [[torch.zeros(rows, k) for _ in weights] for _ in range(3)]
     empty = [torch.zeros(rows, 0) for _ in weights]
     scores = [torch.zeros(cols) for _ in weights]
-    hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     torch_params = [torch.nn.Parameter(w.detach().clone()) for w in weights]
     for p, g in zip(torch_params, grads):
         p.grad = g
@@ -512,15 +302,15 @@ def op_costs(num_params: int, *, reps: int = 9, threads: int = 1) -> list[dict[s
         def run() -> None:
             for i in range(len(weights)):
                 dev.fused_step_(params[i], grads[i], score=scores[i], slot=slot, col_step=col_step,
-                                master=state[0][i], exp_avg=state[1][i], exp_avg_sq=state[2][i], acc=accs[i], **hp,
-                                **kw)
+                                master=state[0][i], exp_avg=state[1][i], exp_avg_sq=state[2][i], acc=accs[i],
+                                hp=OPTIMIZER_HP, **kw)
         return run
 
     def host(slot: torch.Tensor) -> Callable[[], None]:
         def run() -> None:
             for i in range(len(weights)):
                 host_adamw_(snaps[i], accs[i], params[i], grads[i], count=4, slot=slot, col_step=col_step,
-                            num_threads=threads, **hp)
+                            hp=OPTIMIZER_HP, num_threads=threads)
         return run
 
     # (name, bytes per parameter the op must move at least, function)
@@ -569,7 +359,7 @@ def ops_markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=int, default=(1 << 16) if SMOKE else ISSUE3_PARAMS,
+    ap.add_argument("--params", type=int, default=(1 << 16) if SMOKE else DEFAULT_PARAMS,
                     help="total weight-matrix parameters (default: 33.5M, 8 x [2048, 2048])")
     ap.add_argument("--rounds", type=int, default=1 if SMOKE else 5, help="timed rounds per provider (median)")
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="folder for the JSON and markdown")

@@ -13,28 +13,15 @@ snapshot out). ``Mparam/s`` counts every parameter of the matrix, selected or no
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-_BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-if _BENCH_DIR not in sys.path:  # run as a script: `common` sits next to this file (as for the other benches)
-    sys.path.insert(0, _BENCH_DIR)
+import numba
+import torch
+from common import bench_numel, bench_rounds, bench_threads, make_host_buffers, make_slot
+from providers import HOST_HP, HostAdamWProvider, host_adamw_providers
 
-import numba  # noqa: E402
-import torch  # noqa: E402
-from common import (  # noqa: E402
-    Provider,
-    bench_numel,
-    bench_rounds,
-    bench_threads,
-    make_host_buffers,
-    make_providers,
-    make_slot,
-)
-
-from zenflow_triton.kernels import cpu_adamw  # noqa: E402
+from zenflow_triton.kernels import cpu_adamw
 
 
 def _cpu_busy_fraction(interval: float = 0.2) -> float:
@@ -53,7 +40,7 @@ def _cpu_busy_fraction(interval: float = 0.2) -> float:
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
-def measure(providers: dict[str, Provider], rounds: int, pause: float = 0.05) -> dict[str, list[float]]:
+def measure(providers: dict[str, HostAdamWProvider], rounds: int, pause: float = 0.05) -> dict[str, list[float]]:
     """Seconds per call for each provider over ``rounds`` interleaved rounds, after one untimed call each."""
     names = list(providers)
     for name in names:
@@ -70,7 +57,7 @@ def measure(providers: dict[str, Provider], rounds: int, pause: float = 0.05) ->
     return times
 
 
-def table(providers: dict[str, Provider], times: dict[str, list[float]], stat: str = "median") -> str:
+def table(providers: dict[str, HostAdamWProvider], times: dict[str, list[float]], stat: str = "median") -> str:
     """Markdown table; ``stat`` picks the statistic the rates and ratios use: ``median`` or ``min``."""
     pick = statistics.median if stat == "median" else min
     med = {name: pick(ts) for name, ts in times.items()}
@@ -100,9 +87,8 @@ def tune(numel: int, threads: int, rounds: int) -> None:
     numba.set_num_threads(threads)
     saved = {k: getattr(cpu_adamw, k) for k in ("_CHUNK_COLS", "_SKIP_BLOCK", "_MIN_PARALLEL_ELEMS")}
 
-    def case(b, slot, n_threads=threads, repeat=1, **consts) -> Provider:
-        kw = dict(count=1, slot=slot, col_step=b.col_step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                  weight_decay=0.01, snapshot=b.snapshot, num_threads=n_threads)
+    def case(b, slot, n_threads=threads, repeat=1, **consts) -> HostAdamWProvider:
+        kw = dict(count=1, slot=slot, col_step=b.col_step, hp=HOST_HP, snapshot=b.snapshot, num_threads=n_threads)
 
         def step() -> None:
             for k, v in {**saved, **consts}.items():
@@ -110,9 +96,9 @@ def tune(numel: int, threads: int, rounds: int) -> None:
             for _ in range(repeat):
                 cpu_adamw.host_adamw_(b.master, b.exp_avg, b.exp_avg_sq, b.grad, **kw)
 
-        return Provider("", step, b.numel, 28)
+        return HostAdamWProvider("", step, b.numel, 28)
 
-    def report(title: str, cases: dict[str, Provider], scale: float = 1e3, unit: str = "ms") -> None:
+    def report(title: str, cases: dict[str, HostAdamWProvider], scale: float = 1e3, unit: str = "ms") -> None:
         times = measure(cases, rounds, pause=0.01)
         print(f"\n{title}\n\n| setting | {unit} (median) | {unit} (min) |\n|---|---:|---:|")
         for name, ts in times.items():
@@ -164,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         tune(numel, threads, rounds)
         return
     names = None if args.names is None else tuple(n.strip() for n in args.names.split(","))
-    providers = make_providers(numel, threads=threads, names=names, patterns=tuple(args.patterns.split(",")))
+    providers = host_adamw_providers(numel, threads=threads, names=names, patterns=tuple(args.patterns.split(",")))
     busy_before = _cpu_busy_fraction()
     times = measure(providers, rounds)
     busy_after = _cpu_busy_fraction()

@@ -1,4 +1,4 @@
-"""Prediction against measurement for the autotuner, on CPU tensors (issue 4's evidence).
+"""Prediction against measurement for the autotuner, on CPU tensors: predicted stall per window vs measured.
 
 The "model" is a set of offloaded matrices whose gradients are fixed tensors assigned before every step, and
 whose forward and backward are a ``time.sleep(step_time)``: the step time is known and nothing but the
@@ -94,7 +94,7 @@ def run_setting(label: str, shapes: list[tuple[int, int]], step_time: float, cyc
         measured_device = (end_stats["device_opt_s"] - start_stats["device_opt_s"]) / (
             end_stats["steps"] - start_stats["steps"])
         t_meas = statistics.median(outside[warmup:])
-        plan: Plan = opt._plan  # set for "auto"; None for fixed settings
+        plan: Plan | None = opt._knobs.plan  # the autotuner's plan for "auto"; None for fixed settings
         if plan is None:
             plan = plan_for_optimizer(
                 offloaded_shapes=shapes, param_dtype=torch.float32, grad_dtype="float32", step_time_s=t_meas,
