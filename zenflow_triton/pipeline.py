@@ -161,10 +161,7 @@ class Pipeline:
 
     def add(self, params: Sequence[torch.Tensor], state: State) -> None:
         """Host state for parameters stepping for the first time: one slab, fresh state."""
-        slab, records = allocate(params, state, grad_dtype=self._grad_dtype(), overlap=self.config.overlap)
-        self.slabs.append(slab)
-        self.records.update(records)
-        for p, rec in records.items():
+        for p, rec in self._allocate(params, state).items():
             init_offloaded(p, state[p], rec)
 
     def load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], state: State) -> None:
@@ -173,15 +170,16 @@ class Pipeline:
         self.slabs.clear()
         if not saved:
             return
-        slab, records = allocate([p for p, _ in saved], state, grad_dtype=self._grad_dtype(),
-                                 overlap=self.config.overlap)
-        self.slabs.append(slab)
-        self.records.update(records)
+        records = self._allocate([p for p, _ in saved], state)
         for p, entries in saved:
             load_offloaded(p, state[p], records[p], entries)
 
-    def _grad_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
+    def _allocate(self, params: Sequence[torch.Tensor], state: State) -> dict[torch.Tensor, OffloadedParam]:
+        grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
+        slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
+        self.slabs.append(slab)
+        self.records.update(records)
+        return records
 
     # ------------------------------------------------------------------ the schedule's calls
 
