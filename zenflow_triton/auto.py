@@ -120,6 +120,21 @@ class Knobs:
         logger.info("zenflow_triton auto: topk_ratio=%.3g update_interval=%d cpu_threads=%d: %s",
                     self.resolved.topk_ratio, u, threads, plan.reason)
 
+    def report(self, stats: Any) -> dict[str, Any]:
+        """The "auto" entries of ``ZenFlowAdamW.stats()`` (none until a plan is made); ``stats`` is the optimizer's
+        :class:`~zenflow_triton.pipeline.Stats`."""
+        plan = self.plan
+        if plan is None:
+            return {}
+        windows = stats.windows - stats.windows_at_plan
+        return {
+            "measured_stall_per_window_s": (stats.stall_s - stats.stall_at_plan) / windows if windows else 0.0,
+            "predicted_stall_per_window_s": plan.predicted_stall_s,
+            "predicted_host_per_window_s": plan.predicted_host_s,
+            "auto_reason": plan.reason,
+            "measured_step_time_s": self.measured_step_time(),
+        }
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:

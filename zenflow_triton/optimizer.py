@@ -229,14 +229,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             **self._knobs.state_dict(),
             "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
         }
-        plan = self._knobs.plan
-        if plan is not None:
-            windows = s.windows - s.windows_at_plan
-            out["measured_stall_per_window_s"] = (s.stall_s - s.stall_at_plan) / windows if windows else 0.0
-            out["predicted_stall_per_window_s"] = plan.predicted_stall_s
-            out["predicted_host_per_window_s"] = plan.predicted_host_s
-            out["auto_reason"] = plan.reason
-            out["measured_step_time_s"] = self._knobs.measured_step_time()
+        out.update(self._knobs.report(s))
         return out
 
     # ------------------------------------------------------------------ the step
