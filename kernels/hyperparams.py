@@ -63,11 +63,19 @@ class AdamHyperparams:
 
     @classmethod
     def from_group(cls, group: Mapping[str, Any], *, decoupled: bool) -> AdamHyperparams:
-        """The record of a torch param group (``lr``, ``betas`` as a pair, ``eps``, ``weight_decay``)."""
+        """The record of a torch param group (``lr``, ``betas`` as a pair, ``eps``, ``weight_decay``); a 1-element
+        tensor ``lr`` is read as its value."""
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"Invalid betas: {betas!r} (a pair of floats)")
-        return cls(lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            # A 0-dim tensor lr, as torch.optim.AdamW takes it (schedulers then update it in place): its value now.
+            # On a CUDA tensor this reads it back once per group and step, as AdamW without capturable does.
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+            lr = lr.item()
+        return cls(lr=lr, beta1=betas[0], beta2=betas[1], eps=group["eps"],
                    weight_decay=group["weight_decay"], decoupled=decoupled)
 
 

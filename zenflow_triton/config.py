@@ -62,8 +62,8 @@ class ZenFlowConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"Invalid overlap: {self.overlap!r} (a bool)")
         n = self.min_offload_numel
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"Invalid min_offload_numel: {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"Invalid min_offload_numel: {n!r} (an int >= 0; 0 offloads every matrix)")
         t = self.cpu_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"Invalid cpu_threads: {t!r} (an int >= 1 or None)")

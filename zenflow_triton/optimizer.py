@@ -14,8 +14,11 @@ layout), :mod:`.columns` (selection and migration), :mod:`.auto` ("auto" knobs) 
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +26,36 @@ import torch
 from .auto import AUTO_WARMUP_STEPS, Knobs
 from .columns import is_offloaded, reselect_
 from .config import ZenFlowConfig
-from .kernels import MODEL_DTYPES, AdamHyperparams, reference
+from .kernels import MODEL_DTYPES, AdamHyperparams, load_device_ops, reference
 from .pipeline import Pipeline, Stats, Window
-from .state import init_resident, load_resident, saved_entries
+from .state import (
+    check_saved_offloaded,
+    check_saved_resident,
+    init_resident,
+    load_resident,
+    saved_entries,
+)
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
+
+logger = logging.getLogger("zenflow_triton")
+
+# torch.optim.AdamW's per-group options beyond the hyperparameters, with the one value each may take here. foreach
+# and fused choose torch's implementation, not the math, so any value is accepted (and ignored) for them.
+_REFUSED_OPTIONS = {
+    "amsgrad": (False, "amsgrad=True is not supported (ZenFlow keeps no max of exp_avg_sq)"),
+    "maximize": (False, "maximize=True is not supported; minimize the negated objective"),
+    "capturable": (False, "capturable=True is not supported (the host half of a step cannot be graph-captured)"),
+    "differentiable": (False, "differentiable=True is not supported"),
+}
+
+
+@dataclass
+class Schedule:
+    """The optimizer's step count, which window ends and selections follow (DESIGN §3): ``step()`` calls that had
+    at least one gradient. Kept in a shared object, never rebound, so wrappers that copy ``__dict__`` see it."""
+
+    step: int = 0
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -88,18 +116,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
         )
         self._device: torch.device | None = None
-        super().__init__(params, defaults)
         self._knobs = Knobs(self.config)
         self._stats = Stats()
+        self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
+        super().__init__(params, defaults)
+        if self._device is not None:
+            # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
+            load_device_ops(self.config.backend, self._device)
 
     # ------------------------------------------------------------------ torch.optim surface
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
+        if isinstance(params, set):  # torch's error, before our checks iterate it
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("a parameter group contains the same parameter more than once")
+        _check_options({**self.defaults, **param_group}, decoupled=self._decoupled)
         for i, p in enumerate(params):
             if isinstance(p, tuple) and len(p) == 2:  # named parameters: (name, tensor)
                 p = p[1]
@@ -114,88 +148,195 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     f"parameter {i} of shape {tuple(p.shape)} is on {p.device} but earlier parameters are on "
                     f"{self._device}; use one ZenFlowAdamW per device"
                 )
-            if is_offloaded(p, self.config.min_offload_numel) and not p.is_contiguous():
-                raise ValueError(f"parameter {i} of shape {tuple(p.shape)} is not contiguous; offloaded parameters "
-                                 "are updated in place through a matrix view")
-            if is_offloaded(p, self.config.min_offload_numel) and p.dtype not in MODEL_DTYPES:
-                raise TypeError(
-                    f"parameter {i} of shape {tuple(p.shape)} has dtype {p.dtype}; offloaded parameters must be "
-                    "float32, bfloat16 or float16 (raise min_offload_numel to keep it resident)"
-                )
         AdamHyperparams.from_group({**self.defaults, **param_group}, decoupled=self._decoupled)
         super().add_param_group(dict(param_group, params=params))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        self._pipeline.check_usable()
+        """One optimizer step, as ``torch.optim.AdamW.step``. A KeyboardInterrupt or SystemExit that arrives while
+        it waits for the host is raised when the step is complete (see :meth:`.Pipeline.deferred_interrupts`)."""
+        pipeline = self._pipeline
+        pipeline.check_usable()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._pipeline.raise_finished_job_error()
+        pipeline.raise_finished_job_error()
         entered = time.perf_counter()
         stall_before = self._stats.stall_s
-        resident, offloaded = self._prepare_step()
-        self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
-        self._resident_step(resident)
-        if offloaded:
-            self._offloaded_step(offloaded)
-        self._stats.steps += 1
-        now = time.perf_counter()
-        self._knobs.step_ended(now)
-        self._stats.device_opt_s += now - entered - (self._stats.stall_s - stall_before)
+        with pipeline.deferred_interrupts():
+            pipeline.rehome(self.state)
+            resident, offloaded = self._prepare_step()
+            if not offloaded and not any(ps for _, ps in resident):
+                return loss  # no gradient at all: nothing happens, as in torch (and the schedule does not advance)
+            self._schedule.step += 1
+            self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
+            self._resident_step(resident)
+            if pipeline.records:
+                self._offloaded_step(offloaded)
+            self._stats.steps += 1
+            now = time.perf_counter()
+            self._knobs.step_ended(now)
+            self._stats.device_opt_s += now - entered - (self._stats.stall_s - stall_before)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """Like ``torch.optim.Optimizer.state_dict``: waits for host work but never changes the parameters.
+        """Like ``torch.optim.Optimizer.state_dict`` (its hooks run as there): waits for host work but never changes
+        the parameters, so a run resumed from it continues bit for bit.
 
         Device tensors are references to the live state, as in torch (``copy.deepcopy`` the result to keep a
-        snapshot in memory). Host arrays are returned as copies (see :func:`.state.saved_entries`).
+        snapshot in memory). Host arrays are returned as copies (see :func:`.state.saved_entries`). The entry
+        ``"zenflow"`` holds the knobs (with "auto" resolved) and the schedule's step count.
         """
         self._pipeline.check_usable()
-        self._pipeline.wait(self.state, merge=False)
-        sd = super().state_dict()
-        # New per-parameter dicts: torch packs the live ones, which must keep pointing at the slab.
-        sd["state"] = {pid: saved_entries(st) for pid, st in sd["state"].items()}
-        sd["zenflow"] = self._knobs.state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        with self._pipeline.deferred_interrupts():
+            self._pipeline.rehome(self.state)
+            self._pipeline.wait(self.state, merge=False)
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(packed)
+        # New per-parameter dicts: the live ones must keep pointing at the slab.
+        sd: dict[str, Any] = {
+            "state": {index[id(p)]: saved_entries(st) for p, st in self.state.items()},
+            "param_groups": groups,
+            "zenflow": {**self._knobs.state_dict(), "step": self._schedule.step},
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``, onto any device; training then continues bit for bit."""
+        """Restore a ``state_dict()``, onto any device; training then continues bit for bit. Its hooks run as in
+        torch. Everything is checked before anything changes: on an error the optimizer and the parameters are as
+        they were."""
         self._pipeline.check_usable()
-        self._pipeline.wait(self.state, merge=False)
+        state_dict = state_dict.copy()  # shallow, as torch: a pre hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        with self._pipeline.deferred_interrupts():
+            self._pipeline.wait(self.state, merge=False)
+        plan = self._check_loadable(state_dict)
+        # Nothing below raises on a checked state_dict (short of running out of memory).
+        zenflow = state_dict["zenflow"]
+        self._knobs.load_state_dict(zenflow)
+        self._schedule.step = _saved_schedule_step(zenflow, plan)
+        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
+            g.update({k: copy.deepcopy(v) for k, v in sg.items() if k != "params"})
+        self.state.clear()
+        offloaded = []
+        for p, saved, offloads in plan:
+            if offloads:
+                offloaded.append((p, saved))
+            else:
+                self.state[p] = load_resident(p, saved)
+        self._pipeline.load(offloaded, self.state)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_loadable(self, state_dict: Mapping[str, Any]) -> list[tuple[torch.Tensor, Mapping[str, Any], bool]]:
+        """Validate a state_dict against this optimizer; return (parameter, saved state, offloaded) per entry."""
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups')")
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, optimizer has {len(groups)}")
+        if "zenflow" not in state_dict:
+            raise ValueError("this state_dict was not saved by a ZenFlowAdamW (it has no 'zenflow' entry); "
+                             "the state of another optimizer (torch.optim.AdamW included) cannot be loaded")
         for i, (g, sg) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(
                     f"loaded state dict's group {i} has {len(sg['params'])} parameters, "
                     f"the optimizer's has {len(g['params'])}"
                 )
-        id_map = {sid: p for g, sg in zip(groups, saved_groups) for sid, p in zip(sg["params"], g["params"])}
-        self._knobs.load_state_dict(state_dict.get("zenflow", {}))
-        for g, sg in zip(groups, saved_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
-        self.state.clear()
-        offloaded = []
+            _check_options({**self.defaults, **sg}, decoupled=self._decoupled, where=f"loaded state dict's group {i}")
+            AdamHyperparams.from_group({**self.defaults, **sg}, decoupled=self._decoupled)
+        where_of = {}
+        id_map = {}
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            for pi, (sid, p) in enumerate(zip(sg["params"], g["params"])):
+                id_map[sid] = p
+                where_of[sid] = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+        plan = []
         for sid, saved in state_dict["state"].items():
-            p = id_map[sid]
-            if "host_master" in saved:
-                offloaded.append((p, saved))
+            if sid not in id_map:
+                raise ValueError(f"loaded state dict has state for parameter id {sid!r}, which no group lists")
+            p, where = id_map[sid], where_of[sid]
+            offloads = self._offloads(p)
+            saved_offloaded = isinstance(saved, Mapping) and "host_master" in saved
+            if offloads != saved_offloaded:
+                this = "offloads" if offloads else "keeps resident"
+                raise ValueError(
+                    f"{where}: this optimizer {this} it (min_offload_numel={self.config.min_offload_numel}) but the "
+                    f"saved state is {'an offloaded' if saved_offloaded else 'a resident'} one: saved with another "
+                    "min_offload_numel?"
+                )
+            if offloads:
+                check_saved_offloaded(p, saved, where)
             else:
-                self.state[p] = load_resident(p, saved)
-        self._pipeline.load(offloaded, self.state)
+                check_saved_resident(p, saved, where)
+            plan.append((p, saved, offloads))
+        trial = copy.copy(self._knobs)
+        trial.load_state_dict(state_dict["zenflow"])  # raises on invalid knobs, changing nothing here
+        step = state_dict["zenflow"].get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"loaded state dict's 'zenflow' step is {step!r}, expected an int >= 0")
+        return plan
 
     def flush(self) -> None:
-        """Wait for all host work and write its results into the parameters (before eval or export)."""
-        self._pipeline.check_usable()
-        self._pipeline.wait(self.state, merge=True)
+        """Apply every gradient given to ``step()`` so far to the parameters (before evaluation or export): ends the
+        open window early, with the mean of the gradients it holds, and waits for all host work. Training continues
+        correctly afterwards; the next window ends at the schedule's next window end."""
+        pipeline = self._pipeline
+        pipeline.check_usable()
+        with pipeline.deferred_interrupts():
+            pipeline.rehome(self.state)
+            windows = []
+            groups = self._group_of_params()
+            for p, rec in pipeline.records.items():
+                st = self.state[p]
+                if st["acc_count"] == 0:
+                    continue
+                if rec.masks.num_unselected:
+                    windows.append(Window(p, AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)))
+                else:
+                    st["acc_count"] = 0
+            if windows:
+                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads)
+            else:
+                pipeline.wait(self.state, merge=True)
 
     def close(self) -> None:
         """Stop the host worker and release host buffers. The optimizer cannot step afterwards."""
-        self._pipeline.close(self.state)
+        with self._pipeline.deferred_interrupts():
+            if not self._pipeline.closed:
+                self._pipeline.rehome(self.state)
+            self._pipeline.close(self.state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickle keep: the constructor's arguments and a ``state_dict()``; the copy is
+        a working optimizer of its own (its own worker and host memory) over the copied parameters. Hooks are not
+        kept, as in torch."""
+        return {"defaults": self.defaults, "param_groups": self.param_groups, "config": self.config.to_dict(),
+                "saved": self.state_dict()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        groups = [dict(g) for g in state["param_groups"]]
+        kwargs = {**state["defaults"], **state["config"]}
+        type(self).__init__(self, groups, **kwargs)
+        self.load_state_dict(state["saved"])
 
     def __enter__(self) -> ZenFlowAdamW:
         return self
@@ -234,6 +375,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the step
 
+    def _offloads(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is (or, stepping first, will be) offloaded: DESIGN §3's rule, for contiguous fp32, bf16 or
+        fp16 parameters. Others stay resident (plain AdamW on their device, with a warning): the kernels update a
+        parameter in place through a matrix view, in the model dtypes they are built for."""
+        if p in self._pipeline.records:
+            return True
+        return self._offloadable(p) and p.is_contiguous() and p.dtype in MODEL_DTYPES
+
+    def _offloadable(self, p: torch.Tensor) -> bool:
+        return is_offloaded(p, self.config.min_offload_numel) and p.numel() > 0
+
+    def _group_of_params(self) -> dict[torch.Tensor, dict[str, Any]]:
+        return {p: g for g in self.param_groups for p in g["params"]}
+
     def _prepare_step(
         self,
     ) -> tuple[list[tuple[AdamHyperparams, list[torch.Tensor]]], list[tuple[AdamHyperparams, torch.Tensor]]]:
@@ -243,6 +398,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
         fresh: list[torch.Tensor] = []
         for group in self.param_groups:
+            _check_options(group, decoupled=self._decoupled)  # a group may have been edited since it was added
             hp = AdamHyperparams.from_group(group, decoupled=self._decoupled)
             resident.append((hp, []))
             for p in group["params"]:
@@ -257,7 +413,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if g.shape != p.shape or g.device != p.device:
                     raise RuntimeError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match its "
                                        f"parameter of shape {tuple(p.shape)} on {p.device}")
-                if is_offloaded(p, self.config.min_offload_numel):
+                if self._offloads(p):
                     if not g.is_contiguous():
                         raise RuntimeError(f"gradient of parameter of shape {tuple(p.shape)} is not contiguous "
                                            f"(strides {g.stride()})")
@@ -265,11 +421,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         raise RuntimeError(f"gradient dtype {g.dtype} differs from parameter dtype {p.dtype} "
                                            f"(shape {tuple(p.shape)})")
                     offloaded.append((hp, p))
-                    if p not in self.state or not self.state[p]:
+                    if (p not in self.state or not self.state[p]) and all(q is not p for q in fresh):
                         fresh.append(p)
                 else:
                     resident[-1][1].append(p)
                     if p not in self.state or not self.state[p]:
+                        if self._offloadable(p):
+                            logger.warning("zenflow_triton: a parameter of shape %s (%s, strides %s) stays resident "
+                                           "(plain AdamW on its device): only contiguous float32, bfloat16 and "
+                                           "float16 parameters are offloaded", tuple(p.shape), p.dtype, p.stride())
                         self.state[p] = init_resident(p)
         if fresh:
             self._pipeline.add(fresh, self.state)
@@ -292,34 +452,39 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 )
 
     def _offloaded_step(self, offloaded: list[tuple[AdamHyperparams, torch.Tensor]]) -> None:
-        """DESIGN §3 for every offloaded parameter with a gradient: warm-up, or steps 1-5 after it."""
+        """DESIGN §3 at the schedule's step ``t``: warm-up, or steps 1-5 after it, for the offloaded parameters with
+        a gradient; at a window end also for those whose window holds gradients of earlier steps only."""
         pipeline, knobs = self._pipeline, self._knobs
-        ops = pipeline.device_ops(offloaded[0][1].device)
+        device = offloaded[0][1].device if offloaded else self._device
+        ops = pipeline.device_ops(device)
         warmup = knobs.warmup
-        if not knobs.ready and any(self.state[p]["step"] + 1 - warmup >= 1 for _, p in offloaded):
+        tau = self._schedule.step - warmup
+        if not knobs.ready and tau >= 1:
             self._plan_auto()
         cfg = knobs.resolved
         interval, select = cfg.update_interval, cfg.select_interval
-        if any(self.state[p]["step"] >= warmup and (self.state[p]["step"] - warmup) % select == 0
-               for _, p in offloaded):
+        selecting = tau >= 1 and (tau - 1) % select == 0
+        window_end = tau <= 0 or tau % interval == 0
+        if selecting:
             # Step 2: a selection step first makes all host work of earlier windows visible.
             pipeline.wait(self.state, merge=True)
         energy_sel = energy_all = 0.0
         changed = 0
         selected_any = False
-        windows: list[Window] = []
-        sync = not self.config.overlap
+        windows: dict[torch.Tensor, Window] = {}
+        sync = not self.config.overlap or tau <= 0
         # With topk_ratio=0 no column is ever selected, so nothing would read the scores: skip them.
         scores = cfg.topk_ratio != 0
+        stepped: set[torch.Tensor] = set()
         for hp, p in offloaded:
             st, rec = self.state[p], pipeline.records[p]
             pipeline.begin_step(p, st)
             st["step"] += 1
-            tau = st["step"] - warmup
             w2, g2 = p.view(rec.rows, rec.cols), p.grad.view(rec.rows, rec.cols)
             update_score = scores
-            if tau >= 1 and (tau - 1) % select == 0:
-                # Steps 1-2: this step's scores count toward the selection it makes.
+            if selecting and p not in stepped:
+                # Steps 1-2: this step's scores count toward the selection it makes. (A parameter listed twice, as
+                # torch allows with a warning, steps twice but selects once.)
                 if scores:
                     ops.column_sumsq_(st["score"], g2)
                 sel = reselect_(st, rec.masks, cfg.topk(rec.cols))
@@ -329,13 +494,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._stats.h2d_bytes += sel.h2d_bytes
                 selected_any = True
                 update_score = False
-            window_end = tau <= 0 or tau % interval == 0
-            if window_end and pipeline.takes_gradient(p, st, waited=tau <= 0 or not self.config.overlap):
+            stepped.add(p)
+            if window_end and pipeline.takes_gradient(p, st, waited=sync):
                 # A window of this step alone, applied before step() returns: the host reads this gradient.
                 if update_score:
                     ops.column_sumsq_(st["score"], g2)
-                windows.append(Window(p, hp, grad=g2.detach()))
-                sync = sync or tau <= 0
+                windows[p] = Window(p, hp, grad=g2.detach())
                 continue
             if tau >= 1 and rec.masks.num_unselected < rec.cols:
                 st["col_step"].add_(rec.masks.selected)
@@ -346,14 +510,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 accumulate=st["acc_count"] > 0, update_score=update_score,
             )
             st["acc_count"] += 1
-            if tau <= 0:
-                # Warm-up: every element gets this step's AdamW update synchronously, on the host.
-                windows.append(Window(p, hp))
-                sync = True
-            elif window_end:
-                # Step 5: the host applies the window's mean gradient to the unselected columns.
-                if rec.masks.num_unselected:
-                    windows.append(Window(p, hp))
+        if window_end:
+            # Step 5 (warm-up: every element, synchronously): the host applies each window's mean gradient to the
+            # unselected columns, also for parameters whose window holds gradients of earlier steps only.
+            groups = None
+            for p, rec in pipeline.records.items():
+                st = self.state[p]
+                if p in windows or st["acc_count"] == 0:
+                    continue
+                if tau <= 0 or rec.masks.num_unselected:
+                    if p not in stepped:
+                        groups = groups or self._group_of_params()
+                        hp = AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)
+                    else:
+                        hp = next(h for h, q in offloaded if q is p)
+                    windows[p] = Window(p, hp)
                 else:
                     st["acc_count"] = 0
         if selected_any:
@@ -364,7 +535,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._stats.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
             self._stats.columns_changed_last_selection = changed
         if windows:
-            pipeline.end_windows(windows, self.state, sync=sync, cpu_threads=cfg.cpu_threads)
+            pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads)
 
     def _plan_auto(self) -> None:
         records = self._pipeline.records
@@ -373,6 +544,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # Warm-up windows wait synchronously by design; the prediction is about the windows that follow.
         self._stats.stall_at_plan = self._stats.stall_s
         self._stats.windows_at_plan = self._stats.windows
+
+
+def _check_options(group: Mapping[str, Any], *, decoupled: bool, where: str = "param group") -> None:
+    """Refuse, by name, a torch.optim.AdamW option this optimizer does not implement (amsgrad, maximize, ...)."""
+    for name, (allowed, why) in _REFUSED_OPTIONS.items():
+        value = group.get(name, allowed)
+        if value is not None and value != allowed:
+            raise ValueError(f"Invalid {name}: {value!r} in {where}: {why}")
+    value = group.get("decoupled_weight_decay", decoupled)
+    if value is not None and bool(value) != decoupled:
+        other = "ZenFlowAdamW (AdamW's decoupled decay)" if value else "ZenFlowAdam (Adam's L2 decay)"
+        raise ValueError(f"Invalid decoupled_weight_decay: {value!r} in {where}: this optimizer's weight decay is "
+                         f"{'decoupled' if decoupled else 'L2'}; use {other}")
+
+
+def _saved_schedule_step(zenflow: Mapping[str, Any], plan: list[tuple[torch.Tensor, Mapping[str, Any], bool]]) -> int:
+    """The schedule's step count of a checkpoint; one saved before it was recorded counted each parameter's own
+    steps, so its offloaded parameters' largest count is the schedule's."""
+    step = zenflow.get("step")
+    if step is not None:
+        return int(step)
+    return max((int(saved["step"]) for _, saved, offloads in plan if offloads), default=0)
 
 
 class ZenFlowAdam(ZenFlowAdamW):

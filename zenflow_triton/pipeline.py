@@ -15,9 +15,11 @@ with ``overlap=False`` is its own host master (:func:`state.allocate`).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +29,19 @@ import torch
 from .config import ZenFlowConfig
 from .host_memory import HostSlab
 from .kernels import AdamHyperparams, DeviceOps, load_device_ops
-from .state import OffloadedParam, allocate, init_offloaded, load_offloaded
+from .state import DEVICE_KEYS, OffloadedParam, allocate, init_offloaded, load_offloaded
 from .worker import HostWorker, WorkerError, host_thread_limit
 
 __all__ = ["HostItem", "Pipeline", "Stats", "Window", "run_host_job"]
 
 State = MutableMapping[torch.Tensor, dict[str, Any]]
+
+logger = logging.getLogger("zenflow_triton")
+
+# A first host job slower than this compiled the numba kernels (a cached load takes well under a second).
+_COMPILE_NOTICE_S = 2.0
+# Whether a worker of this process was already asked to load the host kernels (they load once per process).
+_host_kernels_requested = False
 
 
 @dataclass
@@ -51,6 +60,7 @@ class Stats:
     columns_changed_last_selection: int = 0
     stall_at_plan: float = 0.0
     windows_at_plan: int = 0
+    compile_s: float = 0.0  # the host kernels' first load (numba compiles them once per machine), not stall
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,19 @@ class HostItem:
     snapshot: torch.Tensor | None
     count: int
     hp: AdamHyperparams
+
+
+def compile_host_kernels() -> float:
+    """The worker's first job: load the host kernels (numba compiles them on first use on a machine, ~15 s, then
+    loads them from its cache). Returns seconds spent."""
+    start = time.perf_counter()
+    from .kernels import cpu_adamw
+
+    cpu_adamw.host_adamw_(*(torch.zeros(1, 1) for _ in range(4)), count=1, slot=torch.full((1,), -1, dtype=torch.int32),
+                          col_step=torch.ones(1, dtype=torch.int32),
+                          hp=AdamHyperparams(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
+                          num_threads=1)
+    return time.perf_counter() - start
 
 
 def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
@@ -115,6 +138,10 @@ class Pipeline:
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._copy_stream: torch.cuda.Stream | None = None
         self._job: Future | None = None  # the host job in flight
+        self._job_compiles = False  # the job in flight is compile_host_kernels
+        # A KeyboardInterrupt or SystemExit that arrived while waiting for the host: the call it interrupted
+        # finishes its work first (see deferred_interrupts).
+        self.interrupt: BaseException | None = None
         self.worker = HostWorker()
         # The worker stops when the optimizer is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.worker.close)
@@ -132,6 +159,19 @@ class Pipeline:
             raise RuntimeError("this ZenFlowAdamW was closed; create a new optimizer")
         if self.failure is not None:
             raise RuntimeError("this ZenFlowAdamW stopped after a host worker failure") from self.failure
+
+    @contextlib.contextmanager
+    def deferred_interrupts(self) -> Iterator[None]:
+        """Around a public call (``step``, ``flush``, ``state_dict``...): a KeyboardInterrupt or SystemExit that
+        arrives while the call waits for the host job is held until the call has finished its work, then raised as
+        itself; so the optimizer is never left halfway through a step, and a checkpoint saved by the handler is the
+        one an uninterrupted run would have. A second interrupt during that wait propagates at once."""
+        try:
+            yield
+        finally:
+            held, self.interrupt = self.interrupt, None
+        if held is not None:  # only reached when the call itself succeeded
+            raise held
 
     def raise_finished_job_error(self) -> None:
         """Re-raise, at the next ``step()``, an exception that the job in flight ended with."""
@@ -163,6 +203,14 @@ class Pipeline:
         """Host state for parameters stepping for the first time: one slab, fresh state."""
         for p, rec in self._allocate(params, state).items():
             init_offloaded(p, state[p], rec)
+        self._start_compile()
+
+    def _start_compile(self) -> None:
+        """Load (or compile, on a machine's first run) the host kernels in the worker while the device works."""
+        global _host_kernels_requested
+        if self._job is None and not _host_kernels_requested:
+            _host_kernels_requested = True
+            self._job, self._job_compiles = self.worker.submit(compile_host_kernels), True
 
     def load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], state: State) -> None:
         """Replace all host state by saved state (``load_state_dict``): the old slabs go, one new slab holds all."""
@@ -173,6 +221,7 @@ class Pipeline:
         records = self._allocate([p for p, _ in saved], state)
         for p, entries in saved:
             load_offloaded(p, state[p], records[p], entries)
+        self._start_compile()
 
     def _allocate(self, params: Sequence[torch.Tensor], state: State) -> dict[torch.Tensor, OffloadedParam]:
         grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
@@ -183,13 +232,28 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the schedule's calls
 
+    def rehome(self, state: State) -> None:
+        """Undo what state movers did (Lightning moves every tensor of ``optimizer.state`` to the model's device after
+        loading a checkpoint, and to the CPU at the end of ``fit``): host entries point back at their slab views,
+        device entries go back to the parameter's device. A mover copies, it never changes values, and the slab
+        view may be newer than a copy taken while a host job ran, so host entries are rebound, not copied back;
+        write state through ``load_state_dict()``."""
+        for p, rec in self.records.items():
+            st = state[p]
+            if rec.master_is_param and rec.host["host_master"].data_ptr() != p.data_ptr():
+                # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
+                # plain torch optimizer would read them, instead of updates landing in memory the model let go.
+                rec.host["host_master"] = p.detach().view(rec.rows, rec.cols)
+            for key, home in rec.host.items():
+                if st[key] is not home:
+                    st[key] = home
+            for key in DEVICE_KEYS:
+                if st[key].device != p.device:
+                    st[key] = st[key].to(p.device)
+
     def begin_step(self, p: torch.Tensor, st: dict[str, Any]) -> None:
         """Before ``p`` steps: make its buffers safe to use for this step."""
         rec = self.records[p]
-        if rec.master_is_param and st["host_master"].data_ptr() != p.data_ptr():
-            # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
-            # plain torch optimizer would read them, instead of updates landing in memory the model let go.
-            st["host_master"] = p.detach().view(rec.rows, rec.cols)
         if rec.d2h_done is not None and st["acc_count"] == 0:
             # This step overwrites acc, which the copy stream may still be reading for the host job.
             torch.cuda.current_stream(p.device).wait_event(rec.d2h_done)
@@ -281,22 +345,45 @@ class Pipeline:
         if job is not None:
             start = time.perf_counter()
             try:
-                self.stats.host_job_s += self.worker.wait(job, self.config.worker_timeout)
-            except WorkerError as exc:
-                self.failure = exc
-                raise
-            except BaseException as exc:
-                self.failure = exc
-                raise RuntimeError("the host worker failed during a window") from exc
+                seconds = self._wait_for(job)
             finally:
-                self._job = None
-                self.stats.stall_s += time.perf_counter() - start
+                waited = time.perf_counter() - start
+                if self._job_compiles:
+                    self.stats.compile_s += waited
+                else:
+                    self.stats.stall_s += waited
+            self._job = None
+            if self._job_compiles:
+                self._job_compiles = False
+                if seconds > _COMPILE_NOTICE_S:
+                    logger.warning("zenflow_triton: compiled the numba host kernels in %.1f s (first use on this "
+                                   "machine; later runs load them from numba's cache)", seconds)
+            else:
+                self.stats.host_job_s += seconds
         if merge:
             with torch.no_grad():
                 for p, rec in self.records.items():
                     st = state[p]
                     if st.get("pending"):
                         self._merge(p, st, rec)
+
+    def _wait_for(self, job: Future) -> float:
+        """The job's result. A failure of the job or the worker stops the optimizer; a KeyboardInterrupt or
+        SystemExit in this (the waiting) thread is held (see :meth:`deferred_interrupts`) while the wait goes on,
+        and a second one propagates with the job still in flight, so a later call waits for it again."""
+        while True:
+            try:
+                return self.worker.wait(job, self.config.worker_timeout)
+            except WorkerError as exc:
+                self.failure, self._job = exc, None
+                raise
+            except BaseException as exc:
+                if job.done() and job.exception() is exc:
+                    self.failure, self._job = exc, None
+                    raise RuntimeError("the host worker failed during a window") from exc
+                if not isinstance(exc, (KeyboardInterrupt, SystemExit)) or self.interrupt is not None:
+                    raise
+                self.interrupt = exc
 
     def _merge(self, p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> None:
         source = rec.snapshot if rec.snapshot is not None else st["host_master"]

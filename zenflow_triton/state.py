@@ -19,7 +19,7 @@ parameter's :class:`OffloadedParam` record, which the pipeline owns. A resident 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ __all__ = [
     "HOST_KEYS",
     "OffloadedParam",
     "allocate",
+    "check_saved_offloaded",
+    "check_saved_resident",
     "init_offloaded",
     "init_resident",
     "load_offloaded",
@@ -58,6 +60,9 @@ class OffloadedParam:
     # The host master is the parameter's own memory (fp32 parameters on the CPU with overlap=False, see allocate).
     master_is_param: bool = False
     d2h_done: torch.cuda.Event | None = None  # acc may be overwritten only after its copy left the device
+    # The state's host entries (HOST_KEYS) as allocated: slab views, or the parameter itself for the master when
+    # ``master_is_param``. ``Pipeline.rehome`` points ``state[p]`` back at them after a state mover replaced them.
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def allocate(
@@ -91,7 +96,8 @@ def allocate(
         landing = next(views)
         snapshot = next(views) if p.dtype != torch.float32 else None
         records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
-                                    masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master)
+                                    masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
+                                    host={key: st[key] for key in HOST_KEYS})
     return slab, records
 
 
@@ -125,15 +131,75 @@ def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, sav
                              f"parameter of shape {tuple(p.shape)}")
         st[key].copy_(src)
     for key in DEVICE_KEYS:
-        st[key] = saved[key].to(p.device, copy=True)
+        dtype = torch.int32 if key in _INT_KEYS else torch.float32
+        st[key] = saved[key].to(p.device, dtype=dtype, copy=True)
     for key in _COUNTER_KEYS:
-        st[key] = saved[key]
+        st[key] = int(saved[key]) if key != "pending" else bool(saved[key])
     rec.masks.refresh(st["slot"])
     if st["pending"] and rec.snapshot is not None:
         # The snapshot is master rounded to the model dtype on the columns the last job updated,
         # exactly what the host kernel wrote (both round to nearest even).
         cols = torch.nonzero(rec.masks.host_slot < 0).squeeze(1)
         rec.snapshot[:, cols] = st["host_master"][:, cols].to(rec.snapshot.dtype)
+
+
+_INT_KEYS = ("host_col_step", "slot", "col_step")
+
+
+def _check_tensor(where: str, key: str, value: Any, shape: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: saved state '{key}' is a {type(value).__name__}, expected a tensor of shape "
+                         f"{shape}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{where}: saved state '{key}' has shape {tuple(value.shape)}, expected {shape}")
+    if key in _INT_KEYS:
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{where}: saved state '{key}' has dtype {value.dtype}, expected an integer dtype")
+    elif not value.is_floating_point():
+        raise ValueError(f"{where}: saved state '{key}' has dtype {value.dtype}, expected a floating-point dtype")
+
+
+def check_saved_offloaded(p: torch.Tensor, saved: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``saved`` is an offloaded parameter's state that
+    :func:`load_offloaded` can load for ``p``: every entry present, with ``p``'s shapes, a consistent selection
+    and sane counters. Floating-point entries in another float dtype are accepted (converted to fp32 on load)."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where}: saved state is a {type(saved).__name__}, expected a dict")
+    missing = [k for k in (*HOST_KEYS, *DEVICE_KEYS, *_COUNTER_KEYS) if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: saved state lacks {missing} (saved by another optimizer or version?)")
+    rows, cols = matrix_shape(p)
+    for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
+        _check_tensor(where, key, saved[key], (rows, cols))
+    for key in ("host_col_step", "score", "slot", "col_step"):
+        _check_tensor(where, key, saved[key], (cols,))
+    slot = saved["slot"].detach().cpu().long()
+    k = int((slot >= 0).sum())
+    if not torch.equal(slot[slot >= 0], torch.arange(k)) or bool((slot < -1).any()):
+        raise ValueError(f"{where}: saved state 'slot' is not a selection (-1, or the selected columns' ranks "
+                         "0..k-1 in column order)")
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        _check_tensor(where, key, saved[key], (rows, k))
+    for key in ("step", "acc_count"):
+        v = saved[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{where}: saved state '{key}' is {v!r}, expected an int >= 0")
+    if not isinstance(saved["pending"], bool):
+        raise ValueError(f"{where}: saved state 'pending' is {saved['pending']!r}, expected a bool")
+
+
+def check_saved_resident(p: torch.Tensor, saved: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``saved`` is a resident parameter's AdamW state for ``p``."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where}: saved state is a {type(saved).__name__}, expected a dict")
+    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: saved state lacks {missing} (saved by another optimizer or version?)")
+    for key in ("exp_avg", "exp_avg_sq"):
+        _check_tensor(where, key, saved[key], tuple(p.shape))
+    step = saved["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{where}: saved state 'step' is {step!r}, expected an int >= 0")
 
 
 def init_resident(p: torch.Tensor) -> dict[str, Any]:

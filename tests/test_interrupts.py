@@ -1,0 +1,160 @@
+"""Ctrl-C (KeyboardInterrupt) and SystemExit while step() or flush() waits for the host: they propagate as
+themselves once the call has finished its work, the optimizer stays usable, and a checkpoint saved in the handler
+resumes into the uninterrupted run, bit for bit. Only a real worker failure stops the optimizer."""
+
+from __future__ import annotations
+
+import _thread
+import copy
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from test_optimizer import MIN_OFFLOAD, Net, loss_fn
+
+import zenflow_triton.pipeline as zpipe
+from zenflow_triton import ZenFlowAdamW
+
+KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD)
+STEPS = 10
+INTERRUPT_AT = 3  # the 4th step() ends a window and waits for the 2nd step's (slowed) host job
+JOB_DELAY_S = 0.4
+
+
+@pytest.fixture
+def slow_host_jobs(monkeypatch):
+    """Host jobs that take JOB_DELAY_S longer, so that step() at a window end waits for them."""
+    original = zpipe.run_host_job
+
+    def slow(*args):
+        time.sleep(JOB_DELAY_S)
+        return original(*args)
+
+    monkeypatch.setattr(zpipe, "run_host_job", slow)
+
+
+def _make(model: Net, overlap: bool) -> tuple[ZenFlowAdamW, torch.optim.lr_scheduler.LRScheduler]:
+    opt = ZenFlowAdamW(model.parameters(), overlap=overlap, **KNOBS)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+
+
+def _train(model: Net, opt: ZenFlowAdamW, sched, steps: range) -> None:
+    for i in steps:
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+        sched.step()
+
+
+def _straight(overlap: bool) -> list[torch.Tensor]:
+    model = Net()
+    opt, sched = _make(model, overlap)
+    _train(model, opt, sched, range(STEPS))
+    opt.flush()
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _interrupt_soon(times: int = 1, signum: int = signal.SIGINT) -> None:
+    """Deliver ``signum`` to the main thread ``times`` times, 0.1 s apart, starting in 0.15 s."""
+
+    def fire() -> None:
+        for _ in range(times):
+            time.sleep(0.15 if times == 1 else 0.1)
+            _thread.interrupt_main(signum)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exactly(slow_host_jobs,
+                                                                                     overlap: bool) -> None:
+    straight = _straight(overlap)
+    model = Net()
+    opt, sched = _make(model, overlap)
+    _train(model, opt, sched, range(INTERRUPT_AT))
+    opt.zero_grad()
+    loss_fn(model, INTERRUPT_AT).backward()
+    _interrupt_soon()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+        time.sleep(5)  # were the interrupt delivered after step() returned, it would land here instead
+    assert time.perf_counter() - started < 4
+    # The handler: save a checkpoint (model first, as `{"model": ..., "opt": ...}` evaluates it).
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+    sched.step()  # the loop's remaining work for this step, as after a completed step()
+    ckpt["sched"] = copy.deepcopy(sched.state_dict())
+
+    # The same optimizer goes on...
+    _train(model, opt, sched, range(INTERRUPT_AT + 1, STEPS))
+    opt.flush()
+    for a, b in zip(straight, model.parameters()):
+        assert torch.equal(a, b.detach()), "training on after the interrupt differs from the uninterrupted run"
+    opt.close()
+
+    # ...and so does a fresh process resumed from the handler's checkpoint.
+    model = Net()
+    model.load_state_dict(ckpt["model"])
+    opt, sched = _make(model, overlap)
+    opt.load_state_dict(ckpt["opt"])
+    sched.load_state_dict(ckpt["sched"])
+    _train(model, opt, sched, range(INTERRUPT_AT + 1, STEPS))
+    opt.flush()
+    for a, b in zip(straight, model.parameters()):
+        assert torch.equal(a, b.detach()), "the run resumed from the handler's checkpoint differs"
+    opt.close()
+
+
+def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_jobs) -> None:
+    def exit_handler(signum, frame):
+        raise SystemExit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_handler)
+    try:
+        straight = _straight(True)
+        model = Net()
+        opt, sched = _make(model, True)
+        _train(model, opt, sched, range(INTERRUPT_AT))  # a host job is in flight
+        _interrupt_soon(signum=signal.SIGTERM)
+        with pytest.raises(SystemExit):
+            opt.flush()
+            time.sleep(5)
+        _train(model, opt, sched, range(INTERRUPT_AT, STEPS))
+        opt.flush()
+        # flush() ends the open window early, so the trajectory is that of a flush after INTERRUPT_AT steps.
+        model2 = Net()
+        opt2, sched2 = _make(model2, True)
+        _train(model2, opt2, sched2, range(INTERRUPT_AT))
+        opt2.flush()
+        _train(model2, opt2, sched2, range(INTERRUPT_AT, STEPS))
+        opt2.flush()
+        for a, b in zip(model2.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        assert any(not torch.equal(a, b.detach()) for a, b in zip(straight, model.parameters()))
+        opt.close()
+        opt2.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(slow_host_jobs) -> None:
+    model = Net()
+    opt, sched = _make(model, True)
+    _train(model, opt, sched, range(INTERRUPT_AT))
+    opt.zero_grad()
+    loss_fn(model, INTERRUPT_AT).backward()
+    _interrupt_soon(times=2)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+        time.sleep(5)
+    # Not necessarily the uninterrupted trajectory (the step was cut short), but nothing is refused or lost.
+    opt.flush()
+    sd = opt.state_dict()
+    _train(model, opt, sched, range(INTERRUPT_AT + 1, STEPS))
+    opt.flush()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert sd["zenflow"]["step"] >= INTERRUPT_AT
+    opt.close()
