@@ -7,6 +7,6 @@ convergence test and the optimizer benches).
 """
 
 from .cli import main
-from .report import RunResult, format_table
+from .report import RunResult, format_legend, format_table
 
-__all__ = ["main", "RunResult", "format_table"]
+__all__ = ["main", "RunResult", "format_table", "format_legend"]

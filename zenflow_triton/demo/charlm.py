@@ -24,6 +24,7 @@ import copy
 import functools
 import math
 import sysconfig
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "train",
     "pretrain",
     "pretrained_state",
+    "is_pretrained",
     "evaluate",
     "offloadable_numel",
 ]
@@ -306,6 +308,7 @@ def pretrain(
     batch: int = 8,
     lr: float = 3e-3,
     seed: int = 0,
+    on_step: Callable[[int, float, float], None] | None = None,
 ) -> list[float]:
     """Pretrain with ``torch.optim.AdamW`` (linear warm-up over 10% of the steps, then cosine decay to 0.1x).
 
@@ -314,7 +317,7 @@ def pretrain(
     steps: 1.083 / 1.050 / 1.044 / 1.037. A barely pretrained model still has generic byte statistics to learn,
     which the columns ZenFlow updates once per window learn more slowly. Batch 8 rather than 16: 600 steps of batch
     8 reached the held-out loss of 400 steps of batch 16 at two thirds of the cost. 800 steps take about 10 s on one
-    CPU core.
+    CPU core. ``on_step`` is :func:`train`'s progress callback.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warm = max(1, steps // 10)
@@ -325,25 +328,50 @@ def pretrain(
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (i - warm) / max(1, steps - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    return train(model, opt, data, steps=steps, batch=batch, seed=seed, scheduler=sched)
+    return train(model, opt, data, steps=steps, batch=batch, seed=seed, scheduler=sched, on_step=on_step)
 
 
-@functools.lru_cache(maxsize=4)
-def _pretrained_cpu_state(cfg: CharLMConfig, steps: int, batch: int, lr: float, seed: int) -> dict[str, torch.Tensor]:
-    model = make_model(cfg, seed=seed)
-    pretrain(model, load_corpora().pretrain, steps=steps, batch=batch, lr=lr, seed=seed)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+_PRETRAINED_CACHE_SIZE = 4
+# (cfg, steps, batch, lr, seed) -> CPU state dict, oldest first. A dict rather than functools.lru_cache: the
+# progress callback must not be part of the key.
+_pretrained: dict[tuple[CharLMConfig, int, int, float, int], dict[str, torch.Tensor]] = {}
+_pretrained_lock = threading.Lock()
 
 
 def pretrained_state(
-    cfg: CharLMConfig | None = None, *, steps: int = 800, batch: int = 8, lr: float = 3e-3, seed: int = 0
+    cfg: CharLMConfig | None = None,
+    *,
+    steps: int = 800,
+    batch: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    on_step: Callable[[int, float, float], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """State dict (CPU tensors, a fresh copy) of a model pretrained on standard-library source.
 
     Pretraining runs on the CPU (about 10 s for the defaults), so the weights are the same whichever device the
-    fine-tuning later uses; the result is cached in-process per arguments.
+    fine-tuning later uses; the result is cached in-process per arguments (the last 4 sets). ``on_step`` is
+    :func:`train`'s progress callback; it is called only when pretraining runs, not when the cache answers (see
+    :func:`is_pretrained`).
     """
-    return copy.deepcopy(_pretrained_cpu_state(cfg or CharLMConfig(), steps, batch, lr, seed))
+    key = (cfg or CharLMConfig(), steps, batch, lr, seed)
+    with _pretrained_lock:
+        state = _pretrained.get(key)
+        if state is None:
+            model = make_model(key[0], seed=seed)
+            pretrain(model, load_corpora().pretrain, steps=steps, batch=batch, lr=lr, seed=seed, on_step=on_step)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            while len(_pretrained) >= _PRETRAINED_CACHE_SIZE:
+                del _pretrained[next(iter(_pretrained))]
+            _pretrained[key] = state
+        return copy.deepcopy(state)
+
+
+def is_pretrained(
+    cfg: CharLMConfig | None = None, *, steps: int = 800, batch: int = 8, lr: float = 3e-3, seed: int = 0
+) -> bool:
+    """Whether :func:`pretrained_state` with these arguments would answer from its in-process cache."""
+    return (cfg or CharLMConfig(), steps, batch, lr, seed) in _pretrained
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunResult", "format_table", "plot"]
+__all__ = ["RunResult", "format_table", "format_legend", "plot"]
 
 
 @dataclass
@@ -23,7 +23,11 @@ class RunResult:
     stats: dict[str, Any] | None = field(default=None)
     """``ZenFlowAdamW.stats()`` at the end; None for AdamW."""
     warmup_steps: int = 1
-    """Leading steps left out of :attr:`mean_step_ms` (one-time set-up, not the steady state)."""
+    """Leading steps of the timed run left out of :attr:`mean_step_ms` (state allocation, worker start-up)."""
+    warmup_run_steps: int = 0
+    """Steps of the untimed warm-up run on a throwaway copy of the model that preceded the timed run (0: none)."""
+    warmup_run_s: float = 0.0
+    """Wall time of that warm-up run: on a first run it includes compiling ZenFlow's numba kernels."""
 
     @property
     def mean_step_ms(self) -> float:
@@ -31,23 +35,41 @@ class RunResult:
         steady = self.step_seconds[self.warmup_steps :] or self.step_seconds
         return 1000.0 * statistics.fmean(steady)
 
+    @property
+    def one_time_s(self) -> float:
+        """How much longer the warm-up run took than its steps at :attr:`mean_step_ms`: one-time set-up (on a
+        first run, mostly numba compiling ZenFlow's kernels), never negative."""
+        return max(0.0, self.warmup_run_s - self.warmup_run_steps * self.mean_step_ms / 1000.0)
+
+
+# The table's column headers, and what each one means (the legend under the table says it).
+LOSS = "held-out loss"
+STEP_MS = "ms/step"
+STALL = "stall s"
+HOST_JOB = "host job s"
+SELECTED = "selected cols"
+ENERGY = "selected energy"
+HOST_BYTES = "host B/param"
+D2H = "D2H MB"
+
 
 def format_table(results: Sequence[RunResult]) -> str:
     """The comparison table: one row per optimizer, "-" where a column does not apply (AdamW's offload columns).
 
-    The first row is the baseline of the "vs <first optimizer>" loss-ratio column.
+    The first row is the baseline of the "loss / <first optimizer> loss" column; :func:`format_legend` explains the
+    columns.
     """
     headers = [
         "optimizer",
-        "final loss",
-        f"vs {results[0].name}" if results else "ratio",
-        "ms/step",
-        "stall s",
-        "host job s",
-        "selected",
-        "sel. energy",
-        "host B/param",
-        "D2H MB",
+        LOSS,
+        _ratio_header(results),
+        STEP_MS,
+        STALL,
+        HOST_JOB,
+        SELECTED,
+        ENERGY,
+        HOST_BYTES,
+        D2H,
     ]
     base = results[0].final_loss if results else float("nan")
     rows = []
@@ -75,6 +97,47 @@ def format_table(results: Sequence[RunResult]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def _ratio_header(results: Sequence[RunResult]) -> str:
+    # "loss / AdamW loss": says it is a ratio of losses, where "vs AdamW" read like a speed-up.
+    return f"loss / {results[0].name} loss" if results else "loss ratio"
+
+
+def format_legend(results: Sequence[RunResult]) -> str:
+    """What each column of :func:`format_table` means, one line per column (or pair), for under the table."""
+    base = results[0].name if results else "the first row"
+    skipped = sorted({r.warmup_steps for r in results})
+    skipped_text = "step" if skipped == [1] else f"{'/'.join(str(n) for n in skipped) or '0'} steps"
+    lines = [
+        f"{LOSS}: next-byte cross-entropy (nats/byte, lower is better) on held-out pydoc text, after flush()",
+        f"{_ratio_header(results)}: held-out loss over {base}'s (1.050 = a 5% higher loss); a loss ratio, not a speed "
+        "ratio",
+        f"{STEP_MS}: mean wall time of forward + backward + step(), leaving out the first {skipped_text} "
+        "(state set-up, worker start)",
+    ]
+    warmed = [r for r in results if r.warmup_run_steps]
+    if warmed:
+        runs = ", ".join(f"{r.name} {r.warmup_run_s:.1f} s" for r in warmed)
+        lines.append(
+            f"  before timing, each optimizer ran {warmed[0].warmup_run_steps} untimed warm-up steps on a throwaway "
+            f"copy: {runs}"
+        )
+        one_time = ", ".join(f"{r.name} {r.one_time_s:.1f} s" for r in warmed if r.one_time_s >= 0.5)
+        if one_time:
+            lines.append(
+                f"  of which one-time set-up: {one_time} (loading ZenFlow's numba kernels; compiling on a first run)"
+            )
+        else:
+            lines.append("  where one-time set-up falls (loading ZenFlow's numba kernels; compiling on a first run)")
+    lines += [
+        f"{STALL}: total time step() waited for the host worker; {HOST_JOB}: total time of the host's CPU Adam jobs",
+        f"{SELECTED}: fraction of the offloaded weights' columns updated on the device every step (topk_ratio,",
+        "  rounded up per weight); the host updates the other columns once per window (update_interval steps)",
+        f"{ENERGY}: share of the gradient's squared norm that falls in the selected columns, at the last selection",
+        f"{HOST_BYTES}: host memory per offloaded parameter; {D2H}: megabytes copied device to host; -: does not apply",
+    ]
+    return "\n".join(lines)
 
 
 def plot(path: str, results: Sequence[RunResult], pretrained_loss: float, title: str) -> None:
