@@ -41,20 +41,20 @@ def _assert_same(a: tuple[list[torch.Tensor], dict], b: tuple[list[torch.Tensor]
 def _bad_state_dicts(good: dict) -> list[tuple[str, dict]]:
     """Ways a checkpoint can be unusable, each with the words its error must contain."""
     out = []
-    adamw_model = Net()
-    adamw = torch.optim.AdamW(adamw_model.parameters())
-    _train(adamw_model, adamw, range(2))
-    out.append(("not saved by a ZenFlowAdamW", adamw.state_dict()))
+    sgd_model = Net()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    _train(sgd_model, sgd, range(2))
+    out.append(("saved neither by a ZenFlowAdamW", sgd.state_dict()))
     other = Net()
     other_opt = ZenFlowAdamW(other.parameters(), **{**KNOBS, "min_offload_numel": 10**6})
     _train(other, other_opt, range(2))
     out.append(("min_offload_numel", other_opt.state_dict()))
     other_opt.close()
     last = max(good["state"])  # the last parameter's state is bad: the earlier ones must not have been loaded
-    first_offloaded = min(sid for sid, st in good["state"].items() if "host_master" in st)
+    first_offloaded = min(sid for sid, st in good["state"].items() if "selected" in st)
     shape = copy.deepcopy(good)
-    shape["state"][first_offloaded]["host_exp_avg"] = torch.zeros(3, 3)
-    out.append(("host_exp_avg' has shape", shape))
+    shape["state"][first_offloaded]["exp_avg"] = torch.zeros(3, 3)
+    out.append(("exp_avg' has shape", shape))
     missing = copy.deepcopy(good)
     del missing["state"][first_offloaded]["col_step"]
     out.append(("lacks ['col_step']", missing))
@@ -62,8 +62,11 @@ def _bad_state_dicts(good: dict) -> list[tuple[str, dict]]:
     resident["state"][last]["exp_avg"] = torch.zeros(2)
     out.append(("exp_avg' has shape", resident))
     dtype = copy.deepcopy(good)
-    dtype["state"][first_offloaded]["slot"] = dtype["state"][first_offloaded]["slot"].float()
-    out.append(("expected an integer dtype", dtype))
+    dtype["state"][first_offloaded]["selected"] = dtype["state"][first_offloaded]["selected"].float()
+    out.append(("expected a bool dtype", dtype))
+    fmt = copy.deepcopy(good)
+    fmt["zenflow"]["format"] = 99
+    out.append(("checkpoint format 99", fmt))
     hyper = copy.deepcopy(good)
     hyper["param_groups"][0]["lr"] = -1.0
     out.append(("Invalid lr", hyper))
@@ -92,6 +95,8 @@ def test_failed_load_changes_nothing_and_training_goes_on(overlap: bool) -> None
         for key, value in st.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 st[key] = value + 0.5
+    for group in good["param_groups"]:
+        group.pop("zenflow")  # the top-level entry is read first; keep one copy to corrupt
 
     reference = Net()
     ref_opt = ZenFlowAdamW(reference.parameters(), overlap=overlap, **KNOBS)
@@ -119,7 +124,7 @@ def test_moments_saved_in_another_float_dtype_are_converted() -> None:
     sd = copy.deepcopy(opt.state_dict())
     wide = copy.deepcopy(sd)
     for st in wide["state"].values():
-        for key in ("exp_avg", "exp_avg_sq", "host_exp_avg", "host_exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in st:
                 st[key] = st[key].double()
     runs = []
@@ -130,6 +135,7 @@ def test_moments_saved_in_another_float_dtype_are_converted() -> None:
         o.load_state_dict(saved)
         for st in o.state.values():
             assert st["exp_avg"].dtype == torch.float32
+            assert st.get("host_exp_avg", st["exp_avg"]).dtype == torch.float32
         _train(m, o, range(4, 8))
         runs.append([p.detach().clone() for p in m.parameters()])
         o.close()

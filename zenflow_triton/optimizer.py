@@ -23,18 +23,13 @@ from typing import Any
 
 import torch
 
+from . import checkpoint
 from .auto import AUTO_WARMUP_STEPS, Knobs
 from .columns import is_offloaded, reselect_
 from .config import ZenFlowConfig
 from .kernels import MODEL_DTYPES, AdamHyperparams, load_device_ops, reference
 from .pipeline import Pipeline, Stats, Window
-from .state import (
-    check_saved_offloaded,
-    check_saved_resident,
-    init_resident,
-    load_resident,
-    saved_entries,
-)
+from .state import init_resident, load_resident
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
 
@@ -184,9 +179,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Like ``torch.optim.Optimizer.state_dict`` (its hooks run as there): waits for host work but never changes
         the parameters, so a run resumed from it continues bit for bit.
 
-        Device tensors are references to the live state, as in torch (``copy.deepcopy`` the result to keep a
-        snapshot in memory). Host arrays are returned as copies (see :func:`.state.saved_entries`). The entry
-        ``"zenflow"`` holds the knobs (with "auto" resolved) and the schedule's step count.
+        The format (:mod:`.checkpoint`) depends on nothing but the parameters: an offloaded parameter's entry holds
+        full-size CPU copies (``master``, ``exp_avg``, ``exp_avg_sq``, ``acc``) and per-column vectors; a resident
+        one's is torch.optim.AdamW's, by reference as in torch (``copy.deepcopy`` the result to keep a snapshot). The
+        entry ``"zenflow"`` (also in every param group, which torch.distributed.checkpoint keeps) holds the knobs
+        ("auto" resolved), the schedule's step count and the format number.
         """
         self._pipeline.check_usable()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -202,11 +199,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 index.setdefault(id(p), len(index))
             packed["params"] = [index[id(p)] for p in group["params"]]
             groups.append(packed)
-        # New per-parameter dicts: the live ones must keep pointing at the slab.
+        zenflow = {**self._knobs.state_dict(), "step": self._schedule.step, "format": checkpoint.FORMAT}
+        for packed in groups:
+            packed["zenflow"] = dict(zenflow)
+        records = self._pipeline.records
         sd: dict[str, Any] = {
-            "state": {index[id(p)]: saved_entries(st) for p, st in self.state.items()},
+            "state": {index[id(p)]: (checkpoint.save_offloaded(p, st, records[p]) if p in records
+                                     else checkpoint.save_resident(st))
+                      for p, st in self.state.items()},
             "param_groups": groups,
-            "zenflow": {**self._knobs.state_dict(), "step": self._schedule.step},
+            "zenflow": zenflow,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
@@ -227,13 +229,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 state_dict = result
         with self._pipeline.deferred_interrupts():
             self._pipeline.wait(self.state, merge=False)
-        plan = self._check_loadable(state_dict)
+        zenflow, plan = self._check_loadable(state_dict)
         # Nothing below raises on a checked state_dict (short of running out of memory).
-        zenflow = state_dict["zenflow"]
-        self._knobs.load_state_dict(zenflow)
-        self._schedule.step = _saved_schedule_step(zenflow, plan)
+        if zenflow is not None:
+            self._knobs.load_state_dict(zenflow)
+            self._schedule.step = _saved_schedule_step(zenflow, plan)
+        else:
+            # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
+            # selection at the next step), while every column's bias correction continues from AdamW's count.
+            self._schedule.step = 0
         for g, sg in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: copy.deepcopy(v) for k, v in sg.items() if k != "params"})
+            g.update({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")})
         self.state.clear()
         offloaded = []
         for p, saved, offloads in plan:
@@ -245,16 +251,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _check_loadable(self, state_dict: Mapping[str, Any]) -> list[tuple[torch.Tensor, Mapping[str, Any], bool]]:
-        """Validate a state_dict against this optimizer; return (parameter, saved state, offloaded) per entry."""
+    def _check_loadable(
+        self, state_dict: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any] | None, list[tuple[torch.Tensor, Mapping[str, Any], bool]]]:
+        """Validate a state_dict against this optimizer: its "zenflow" entry (None for torch.optim.AdamW's), and
+        (parameter, entry in the current format, offloaded) per state entry."""
         if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups')")
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, optimizer has {len(groups)}")
-        if "zenflow" not in state_dict:
-            raise ValueError("this state_dict was not saved by a ZenFlowAdamW (it has no 'zenflow' entry); "
-                             "the state of another optimizer (torch.optim.AdamW included) cannot be loaded")
+        zenflow = state_dict.get("zenflow")
+        if zenflow is None and saved_groups and isinstance(saved_groups[0], Mapping):
+            zenflow = saved_groups[0].get("zenflow")  # torch.distributed.checkpoint keeps the groups, not extra keys
+        adamw = zenflow is None
+        if adamw and not all(checkpoint.is_adamw_entry(st) for st in state_dict["state"].values()):
+            raise ValueError("this state_dict was saved neither by a ZenFlowAdamW (it has no 'zenflow' entry) nor by "
+                             "torch.optim.AdamW (its entries are not step/exp_avg/exp_avg_sq)")
         for i, (g, sg) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(
@@ -269,31 +282,59 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for pi, (sid, p) in enumerate(zip(sg["params"], g["params"])):
                 id_map[sid] = p
                 where_of[sid] = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+        fmt = None if adamw else zenflow.get("format", 1)
+        if fmt not in (None, 1, checkpoint.FORMAT):
+            raise ValueError(f"loaded state dict has checkpoint format {fmt!r}; this version reads formats 1 and "
+                             f"{checkpoint.FORMAT}")
         plan = []
         for sid, saved in state_dict["state"].items():
             if sid not in id_map:
                 raise ValueError(f"loaded state dict has state for parameter id {sid!r}, which no group lists")
             p, where = id_map[sid], where_of[sid]
             offloads = self._offloads(p)
-            saved_offloaded = isinstance(saved, Mapping) and "host_master" in saved
-            if offloads != saved_offloaded:
-                this = "offloads" if offloads else "keeps resident"
-                raise ValueError(
-                    f"{where}: this optimizer {this} it (min_offload_numel={self.config.min_offload_numel}) but the "
-                    f"saved state is {'an offloaded' if saved_offloaded else 'a resident'} one: saved with another "
-                    "min_offload_numel?"
-                )
-            if offloads:
-                check_saved_offloaded(p, saved, where)
+            if adamw:
+                checkpoint.check_resident(p, saved, where)
+                entry = checkpoint.from_adamw(p, saved, offloaded=offloads)
             else:
-                check_saved_resident(p, saved, where)
-            plan.append((p, saved, offloads))
-        trial = copy.copy(self._knobs)
-        trial.load_state_dict(state_dict["zenflow"])  # raises on invalid knobs, changing nothing here
-        step = state_dict["zenflow"].get("step")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ValueError(f"loaded state dict's 'zenflow' step is {step!r}, expected an int >= 0")
-        return plan
+                saved_offloaded = isinstance(saved, Mapping) and ("host_master" in saved or "selected" in saved)
+                if offloads != saved_offloaded:
+                    this = "offloads" if offloads else "keeps resident"
+                    saved_as = "an offloaded" if saved_offloaded else "a resident"
+                    raise ValueError(
+                        f"{where}: this optimizer {this} it (min_offload_numel={self.config.min_offload_numel}) but "
+                        f"the saved state is {saved_as} one: saved with another min_offload_numel?"
+                    )
+                if offloads:
+                    entry = checkpoint.upgrade_v1(p, saved, where) if fmt == 1 else saved
+                    checkpoint.check_offloaded(p, entry, where)
+                else:
+                    checkpoint.check_resident(p, saved, where)
+                    entry = saved
+            plan.append((p, entry, offloads))
+        if zenflow is not None:
+            trial = copy.copy(self._knobs)
+            trial.load_state_dict(zenflow)  # raises on invalid knobs, changing nothing here
+            step = zenflow.get("step")
+            if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+                raise ValueError(f"loaded state dict's 'zenflow' step is {step!r}, expected an int >= 0")
+        return zenflow, plan
+
+    def adamw_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
+        :class:`ZenFlowAdam`), to finish a run without offloading: ``flush()`` first (every gradient is then in the
+        parameters, which are AdamW's master), then each parameter's moments on its device in its dtype, with the
+        parameter's own step count (see :func:`.checkpoint.to_adamw` for what per-column counts become). Load it
+        into an AdamW built over the same parameters in the same groups."""
+        self.flush()
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        index: dict[int, int] = {}
+        for p in params:
+            index.setdefault(id(p), len(index))
+        by_index = {index[id(p)]: p for p in params}
+        groups = [{k: v for k, v in g.items() if k != "zenflow"} for g in sd["param_groups"]]
+        return {"state": {i: checkpoint.to_adamw(by_index[i], entry) for i, entry in sd["state"].items()},
+                "param_groups": groups}
 
     def flush(self) -> None:
         """Apply every gradient given to ``step()`` so far to the parameters (before evaluation or export): ends the

@@ -32,20 +32,16 @@ __all__ = [
     "HOST_KEYS",
     "OffloadedParam",
     "allocate",
-    "check_saved_offloaded",
-    "check_saved_resident",
     "init_offloaded",
     "init_resident",
     "load_offloaded",
     "load_resident",
-    "saved_entries",
 ]
 
 # State entries in the host slab.
 HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
 # State entries on the parameter's device.
 DEVICE_KEYS = ("score", "slot", "col_step", "master", "exp_avg", "exp_avg_sq", "acc")
-_COUNTER_KEYS = ("step", "acc_count", "pending")
 
 
 @dataclass
@@ -123,83 +119,33 @@ def init_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> 
 
 
 def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, saved: Mapping[str, Any]) -> None:
-    """Copy a saved state into the slab views and onto the parameter's device; rebuild what derives from it."""
-    for key in HOST_KEYS:
-        src = saved[key]
-        if tuple(src.shape) != tuple(st[key].shape):
-            raise ValueError(f"state '{key}' has shape {tuple(src.shape)}, expected {tuple(st[key].shape)} for "
-                             f"parameter of shape {tuple(p.shape)}")
-        st[key].copy_(src)
-    for key in DEVICE_KEYS:
-        dtype = torch.int32 if key in _INT_KEYS else torch.float32
-        st[key] = saved[key].to(p.device, dtype=dtype, copy=True)
-    for key in _COUNTER_KEYS:
-        st[key] = int(saved[key]) if key != "pending" else bool(saved[key])
+    """Load a checkpoint entry (format 2, checked: :func:`.checkpoint.check_offloaded`) into the slab views and onto
+    the parameter's device; rebuild what derives from it. The selected columns' state goes to the compact device
+    arrays; the host arrays get every column (they are read only where a column is unselected)."""
+    rows, cols = rec.rows, rec.cols
+    dev = p.device
+    selected = saved["selected"].detach().cpu().bool()
+    idx = torch.nonzero(selected).squeeze(1)
+    slot = torch.full((cols,), -1, dtype=torch.int32)
+    slot[idx] = torch.arange(idx.numel(), dtype=torch.int32)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        full = saved[key].detach().cpu().reshape(rows, cols)
+        st["host_" + key].copy_(full)
+        st[key] = full[:, idx].to(dev, dtype=torch.float32, copy=True)
+    st["host_col_step"].copy_(saved["col_step"])
+    st["col_step"] = saved["col_step"].to(dev, dtype=torch.int32, copy=True)
+    st["score"] = saved["score"].to(dev, dtype=torch.float32, copy=True)
+    st["slot"] = slot.to(dev)
+    st["acc"] = saved["acc"].detach().reshape(rows, cols).to(dev, dtype=torch.float32, copy=True)
+    st["step"] = int(saved["step"])
+    st["acc_count"] = int(saved["acc_count"])
+    st["pending"] = bool(saved["pending"])
     rec.masks.refresh(st["slot"])
     if st["pending"] and rec.snapshot is not None:
         # The snapshot is master rounded to the model dtype on the columns the last job updated,
         # exactly what the host kernel wrote (both round to nearest even).
-        cols = torch.nonzero(rec.masks.host_slot < 0).squeeze(1)
-        rec.snapshot[:, cols] = st["host_master"][:, cols].to(rec.snapshot.dtype)
-
-
-_INT_KEYS = ("host_col_step", "slot", "col_step")
-
-
-def _check_tensor(where: str, key: str, value: Any, shape: tuple[int, ...]) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{where}: saved state '{key}' is a {type(value).__name__}, expected a tensor of shape "
-                         f"{shape}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{where}: saved state '{key}' has shape {tuple(value.shape)}, expected {shape}")
-    if key in _INT_KEYS:
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"{where}: saved state '{key}' has dtype {value.dtype}, expected an integer dtype")
-    elif not value.is_floating_point():
-        raise ValueError(f"{where}: saved state '{key}' has dtype {value.dtype}, expected a floating-point dtype")
-
-
-def check_saved_offloaded(p: torch.Tensor, saved: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` unless ``saved`` is an offloaded parameter's state that
-    :func:`load_offloaded` can load for ``p``: every entry present, with ``p``'s shapes, a consistent selection
-    and sane counters. Floating-point entries in another float dtype are accepted (converted to fp32 on load)."""
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{where}: saved state is a {type(saved).__name__}, expected a dict")
-    missing = [k for k in (*HOST_KEYS, *DEVICE_KEYS, *_COUNTER_KEYS) if k not in saved]
-    if missing:
-        raise ValueError(f"{where}: saved state lacks {missing} (saved by another optimizer or version?)")
-    rows, cols = matrix_shape(p)
-    for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
-        _check_tensor(where, key, saved[key], (rows, cols))
-    for key in ("host_col_step", "score", "slot", "col_step"):
-        _check_tensor(where, key, saved[key], (cols,))
-    slot = saved["slot"].detach().cpu().long()
-    k = int((slot >= 0).sum())
-    if not torch.equal(slot[slot >= 0], torch.arange(k)) or bool((slot < -1).any()):
-        raise ValueError(f"{where}: saved state 'slot' is not a selection (-1, or the selected columns' ranks "
-                         "0..k-1 in column order)")
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        _check_tensor(where, key, saved[key], (rows, k))
-    for key in ("step", "acc_count"):
-        v = saved[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{where}: saved state '{key}' is {v!r}, expected an int >= 0")
-    if not isinstance(saved["pending"], bool):
-        raise ValueError(f"{where}: saved state 'pending' is {saved['pending']!r}, expected a bool")
-
-
-def check_saved_resident(p: torch.Tensor, saved: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` unless ``saved`` is a resident parameter's AdamW state for ``p``."""
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{where}: saved state is a {type(saved).__name__}, expected a dict")
-    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
-    if missing:
-        raise ValueError(f"{where}: saved state lacks {missing} (saved by another optimizer or version?)")
-    for key in ("exp_avg", "exp_avg_sq"):
-        _check_tensor(where, key, saved[key], tuple(p.shape))
-    step = saved["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"{where}: saved state 'step' is {step!r}, expected an int >= 0")
+        cols_done = torch.nonzero(rec.masks.host_slot < 0).squeeze(1)
+        rec.snapshot[:, cols_done] = st["host_master"][:, cols_done].to(rec.snapshot.dtype)
 
 
 def init_resident(p: torch.Tensor) -> dict[str, Any]:
@@ -207,13 +153,8 @@ def init_resident(p: torch.Tensor) -> dict[str, Any]:
 
 
 def load_resident(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (v.to(device=p.device, dtype=p.dtype) if isinstance(v, torch.Tensor) and k != "step" else v)
-            for k, v in saved.items()}
-
-
-def saved_entries(st: Mapping[str, Any]) -> dict[str, Any]:
-    """A parameter's state as ``state_dict()`` returns it: host arrays copied, device tensors by reference (as in
-    torch). The host arrays are views into one shared slab, which ``torch.save`` could not write (it refuses one
-    storage viewed as several dtypes), or into the parameter itself (a master that is the parameter); on CPU
-    tensors ``acc`` may be a slab view too (it trades places with the landing buffer)."""
-    return {k: (v.clone() if k in HOST_KEYS or (k == "acc" and v.device.type == "cpu") else v) for k, v in st.items()}
+    """A resident parameter's AdamW state onto ``p``'s device and dtype (as torch converts it); ``step`` an int."""
+    step = saved["step"]
+    return {"step": int(step.item()) if isinstance(step, torch.Tensor) else int(step),
+            "exp_avg": saved["exp_avg"].to(device=p.device, dtype=p.dtype),
+            "exp_avg_sq": saved["exp_avg_sq"].to(device=p.device, dtype=p.dtype)}

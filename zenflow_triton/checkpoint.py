@@ -1,0 +1,221 @@
+"""The checkpoint format (DESIGN §4): what ``state_dict()`` holds for each parameter, and the conversions from the
+formats ``load_state_dict()`` also accepts (this library's first format, and ``torch.optim.AdamW``'s).
+
+Format 2 depends on nothing but the parameters: an offloaded parameter's entry holds full-size tensors of the
+parameter's shape (``master``, ``exp_avg``, ``exp_avg_sq``, ``acc``, with the selected columns' device state
+scattered in) and per-column vectors of length C (``col_step``, ``score``, ``selected``), whatever ``topk_ratio``
+is and whether a selection was made yet. So a checkpoint loads with another ``topk_ratio``, and tools that check
+shapes against the parameters (torch.distributed.checkpoint) accept it. A resident parameter's entry is
+``torch.optim.AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq``).
+
+The live layout (slab views, compact device state) is :mod:`.state`'s; this module only converts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .columns import matrix_shape
+from .state import OffloadedParam
+
+__all__ = [
+    "FORMAT",
+    "OFFLOADED_KEYS",
+    "check_offloaded",
+    "check_resident",
+    "from_adamw",
+    "is_adamw_entry",
+    "save_offloaded",
+    "save_resident",
+    "to_adamw",
+    "upgrade_v1",
+]
+
+FORMAT = 2
+OFFLOADED_KEYS = ("step", "master", "exp_avg", "exp_avg_sq", "col_step", "score", "selected", "acc", "acc_count",
+                  "pending")
+_V1_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step", "score", "slot", "col_step", "master",
+            "exp_avg", "exp_avg_sq", "acc", "step", "acc_count", "pending")
+_ADAMW_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+
+
+def save_offloaded(p: torch.Tensor, st: Mapping[str, Any], rec: OffloadedParam) -> dict[str, Any]:
+    """An offloaded parameter's live state as a format-2 entry: new CPU tensors (host work must be quiescent)."""
+    selected = rec.masks.host_slot >= 0
+    cols = torch.nonzero(selected).squeeze(1)
+
+    def full(host: torch.Tensor, compact: torch.Tensor) -> torch.Tensor:
+        out = host.clone()
+        if cols.numel():
+            out[:, cols] = compact.cpu()  # the compact state is in column order: slot = rank among the selected
+        return out.view(p.shape)
+
+    col_step = st["host_col_step"].clone()
+    col_step[cols] = st["col_step"].cpu()[cols]
+    return {
+        "step": st["step"],
+        "master": full(st["host_master"], st["master"]),
+        "exp_avg": full(st["host_exp_avg"], st["exp_avg"]),
+        "exp_avg_sq": full(st["host_exp_avg_sq"], st["exp_avg_sq"]),
+        "col_step": col_step,
+        "score": st["score"].cpu().clone(),
+        "selected": selected.clone(),
+        "acc": st["acc"].cpu().clone().view(p.shape),
+        "acc_count": st["acc_count"],
+        "pending": st["pending"],
+    }
+
+
+def save_resident(st: Mapping[str, Any]) -> dict[str, Any]:
+    """A resident parameter's state, as torch.optim.AdamW returns it (references to the live tensors)."""
+    return dict(st)
+
+
+# ---------------------------------------------------------------------------------------------------- checking
+
+
+def _check_tensor(where: str, key: str, value: Any, shape: tuple[int, ...], kind: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: saved state '{key}' is a {type(value).__name__}, expected a tensor of shape "
+                         f"{shape}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{where}: saved state '{key}' has shape {tuple(value.shape)}, expected {shape}")
+    ok = {"float": value.is_floating_point(), "bool": value.dtype == torch.bool,
+          "int": not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)}[kind]
+    if not ok:
+        what = {"float": "a floating-point", "bool": "a bool", "int": "an integer"}[kind]
+        raise ValueError(f"{where}: saved state '{key}' has dtype {value.dtype}, expected {what} dtype")
+
+
+def _check_count(where: str, key: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: saved state '{key}' is {value!r}, expected an int >= 0")
+
+
+def _require(where: str, saved: Any, keys: tuple[str, ...] | set[str]) -> None:
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{where}: saved state is a {type(saved).__name__}, expected a dict")
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: saved state lacks {missing} (saved by another optimizer or version?)")
+
+
+def check_offloaded(p: torch.Tensor, saved: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``saved`` is a format-2 offloaded entry for ``p``. Floating-point
+    entries in another float dtype are accepted (converted to fp32 on load, as torch converts)."""
+    _require(where, saved, OFFLOADED_KEYS)
+    cols = matrix_shape(p)[1]
+    shape = tuple(p.shape)
+    for key in ("master", "exp_avg", "exp_avg_sq", "acc"):
+        _check_tensor(where, key, saved[key], shape, "float")
+    _check_tensor(where, "col_step", saved["col_step"], (cols,), "int")
+    _check_tensor(where, "score", saved["score"], (cols,), "float")
+    _check_tensor(where, "selected", saved["selected"], (cols,), "bool")
+    _check_count(where, "step", saved["step"])
+    _check_count(where, "acc_count", saved["acc_count"])
+    if not isinstance(saved["pending"], bool):
+        raise ValueError(f"{where}: saved state 'pending' is {saved['pending']!r}, expected a bool")
+
+
+def check_resident(p: torch.Tensor, saved: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``saved`` is AdamW state for ``p`` (``step`` an int or a
+    one-element tensor, as torch.optim.AdamW saves it)."""
+    _require(where, saved, ("step", "exp_avg", "exp_avg_sq"))
+    for key in ("exp_avg", "exp_avg_sq"):
+        _check_tensor(where, key, saved[key], tuple(p.shape), "float")
+    step = saved["step"]
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"{where}: saved state 'step' has shape {tuple(step.shape)}, expected one element")
+        step = step.item()
+        if float(step) != int(step):
+            raise ValueError(f"{where}: saved state 'step' is {step!r}, expected a whole number")
+        step = int(step)
+    _check_count(where, "step", step)
+
+
+# ---------------------------------------------------------------------------------------------------- conversions
+
+
+def upgrade_v1(p: torch.Tensor, saved: Any, where: str) -> dict[str, Any]:
+    """A format-1 offloaded entry (the live layout: host arrays, the slot map and the compact selected state) as a
+    format-2 entry; ``ValueError`` naming ``where`` if it is not one for ``p``."""
+    _require(where, saved, _V1_KEYS)
+    rows, cols = matrix_shape(p)
+    for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "acc"):
+        _check_tensor(where, key, saved[key], (rows, cols), "float")
+    for key in ("host_col_step", "slot", "col_step"):
+        _check_tensor(where, key, saved[key], (cols,), "int")
+    _check_tensor(where, "score", saved["score"], (cols,), "float")
+    slot = saved["slot"].detach().cpu().long()
+    selected = slot >= 0
+    k = int(selected.sum())
+    if not torch.equal(slot[selected], torch.arange(k)) or bool((slot < -1).any()):
+        raise ValueError(f"{where}: saved state 'slot' is not a selection (-1, or the selected columns' ranks 0..k-1 "
+                         "in column order)")
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        _check_tensor(where, key, saved[key], (rows, k), "float")
+    idx = torch.nonzero(selected).squeeze(1)
+
+    def full(host: str, compact: str) -> torch.Tensor:
+        out = saved[host].detach().cpu().float().clone()
+        out[:, idx] = saved[compact].detach().cpu().float()
+        return out.view(p.shape)
+
+    col_step = saved["host_col_step"].detach().cpu().to(torch.int32).clone()
+    col_step[idx] = saved["col_step"].detach().cpu().to(torch.int32)[idx]
+    return {
+        "step": saved["step"], "master": full("host_master", "master"), "exp_avg": full("host_exp_avg", "exp_avg"),
+        "exp_avg_sq": full("host_exp_avg_sq", "exp_avg_sq"), "col_step": col_step,
+        "score": saved["score"].detach().cpu(), "selected": selected,
+        "acc": saved["acc"].detach().cpu().view(p.shape), "acc_count": saved["acc_count"],
+        "pending": saved["pending"],
+    }
+
+
+def is_adamw_entry(saved: Any) -> bool:
+    """Whether a state entry is torch.optim.AdamW's (or Adam's) rather than this library's."""
+    return isinstance(saved, Mapping) and set(saved) == _ADAMW_KEYS
+
+
+def from_adamw(p: torch.Tensor, saved: Mapping[str, Any], *, offloaded: bool) -> dict[str, Any]:
+    """A torch.optim.AdamW entry (checked by :func:`check_resident`) as this library's: the parameter's value is the
+    master; every column starts from AdamW's step count; nothing is selected and no window is open."""
+    step = saved["step"]
+    step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+    if not offloaded:
+        return {"step": step, "exp_avg": saved["exp_avg"], "exp_avg_sq": saved["exp_avg_sq"]}
+    cols = matrix_shape(p)[1]
+    return {
+        "step": step,
+        "master": p.detach().cpu().float().clone(),
+        "exp_avg": saved["exp_avg"].detach().cpu().float(),
+        "exp_avg_sq": saved["exp_avg_sq"].detach().cpu().float(),
+        "col_step": torch.full((cols,), step, dtype=torch.int32),
+        "score": torch.zeros(cols, dtype=torch.float32),
+        "selected": torch.zeros(cols, dtype=torch.bool),
+        "acc": torch.zeros(tuple(p.shape), dtype=torch.float32),
+        "acc_count": 0,
+        "pending": False,
+    }
+
+
+def to_adamw(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """This library's entry for ``p`` (format 2, or resident) as torch.optim.AdamW's, on ``p``'s device and dtype
+    (as AdamW keeps its moments). AdamW has one step count per parameter: it gets the parameter's own (the steps in
+    which it had a gradient), which is every selected column's count; a column the host updated had one update
+    per window, so its moments are bias-corrected as if older than they are (negligible once beta2**step is)."""
+    step = int(saved["step"].item()) if isinstance(saved["step"], torch.Tensor) else int(saved["step"])
+    return {
+        "step": torch.tensor(float(step)),
+        "exp_avg": saved["exp_avg"].to(device=p.device, dtype=p.dtype).view(p.shape).clone(),
+        "exp_avg_sq": saved["exp_avg_sq"].to(device=p.device, dtype=p.dtype).view(p.shape).clone(),
+    }
