@@ -144,3 +144,110 @@ def test_copy(benchmark, dtype):
     dst = torch.empty_like(src)
     benchmark.pedantic(_timed(lambda: dst.copy_(src)), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     _record(benchmark, 2 * src.numel() * src.element_size(), src.numel())
+
+
+# ------------------------------------------------------------------------------ many parameters: one step's launches
+
+# The offloaded weights of 8 layers of a ~1B Llama-style decoder (d_model 2048, ffn 5632): q, k, v, o and gate, up,
+# down per layer, 56 matrices and 411M parameters in all, bf16, r = 0.1. What one optimizer step launches.
+LAYER = [(2048, 2048)] * 4 + [(5632, 2048), (5632, 2048), (2048, 5632)]
+GROUP_SHAPES = LAYER * 8
+GROUP_R = 0.1
+
+
+@functools.cache
+def _group() -> list:
+    from zenflow_triton.kernels.device_ops import FusedStepArgs
+
+    torch.manual_seed(0)
+    calls = []
+    for i, (rows, cols) in enumerate(GROUP_SHAPES):
+        slot = make_slot(cols, GROUP_R, seed=i).cuda()
+        k = int((slot >= 0).sum())
+        dev = "cuda"
+        calls.append(FusedStepArgs(
+            param=torch.randn(rows, cols, device=dev).mul_(0.02).bfloat16(),
+            grad=torch.randn(rows, cols, device=dev).mul_(1e-3).bfloat16(),
+            score=torch.zeros(cols, device=dev), slot=slot,
+            col_step=torch.full((cols,), 10, dtype=torch.int32, device=dev),
+            master=torch.randn(rows, k, device=dev).mul_(0.02), exp_avg=torch.randn(rows, k, device=dev).mul_(1e-3),
+            exp_avg_sq=torch.rand(rows, k, device=dev).mul_(1e-6), acc=torch.zeros(rows, cols, device=dev),
+            hp=OPTIMIZER_HP, accumulate=True))
+    return calls
+
+
+def _group_bytes() -> int:
+    return sum(_fused_step_bytes(c.param.shape[0], c.param.shape[1], c.master.shape[1], 2) for c in _group())
+
+
+@functools.cache
+def _torch_group_seconds() -> float:
+    """Median seconds of torch.optim.AdamW(fused=True).step() over parameters of the same shapes (bf16, state on the
+    device): what a step costs without offload, measured with CUDA events."""
+    params = [torch.nn.Parameter(c.param.clone()) for c in _group()]
+    for p, c in zip(params, _group()):
+        p.grad = c.grad.clone()
+    opt = torch.optim.AdamW(params, **HP, fused=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(WARMUP):
+        opt.step()
+    times = []
+    for _ in range(ROUNDS):
+        start.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _enqueue_seconds(fn, rounds: int = 10) -> float:
+    """Host seconds to issue ``fn`` (launches only, the GPU still busy): the per-step CPU overhead."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    seconds = (time.perf_counter() - t0) / rounds
+    torch.cuda.synchronize()
+    return seconds
+
+
+def _record_group(benchmark, fn) -> None:
+    numel = sum(c.param.numel() for c in _group())
+    _record(benchmark, _group_bytes(), numel)
+    if getattr(benchmark, "stats", None) is None:
+        return
+    benchmark.extra_info.update({
+        "params": len(GROUP_SHAPES),
+        "torch_fused_s": _torch_group_seconds(),
+        "ratio_to_torch_fused": _torch_group_seconds() / benchmark.stats.stats.median,
+        "enqueue_us_per_param": _enqueue_seconds(fn) / len(GROUP_SHAPES) * 1e6,
+    })
+
+
+@pytest.mark.benchmark(group="grouped")
+def test_fused_steps_grouped(benchmark):
+    """One fused_steps_ call for all 56 matrices: one launch (plus one for the split scores)."""
+    from zenflow_triton.kernels.fused_step import fused_steps_
+
+    calls = _group()
+    fn = functools.partial(fused_steps_, calls)
+    benchmark.pedantic(_timed(fn), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record_group(benchmark, fn)
+
+
+@pytest.mark.benchmark(group="grouped")
+def test_fused_step_per_parameter(benchmark):
+    """The same work as 56 fused_step_ launches, as the optimizer issued it before fused_steps_."""
+    from zenflow_triton.kernels.fused_step import fused_step_
+
+    def fn() -> None:
+        for c in _group():
+            fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
+                        exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=True)
+
+    benchmark.pedantic(_timed(fn), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record_group(benchmark, fn)

@@ -67,3 +67,11 @@ def test_subprocess_result_parsers(tmp_path: Path) -> None:
 def test_refuses_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_suite.main([str(tmp_path / "out")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_stress_line_says_what_happened() -> None:
+    assert gpu_suite.stress_line(None) == "not run"
+    assert gpu_suite.stress_line({"tests": 3, "skipped": 3}) == "all skipped (no CUDA device)"
+    assert gpu_suite.stress_line({"tests": 3, "skipped": 0, "seconds": 61.2}).startswith("passed: 3 of 3")
+    assert "FAILED: a::b" in gpu_suite.stress_line({"tests": 3, "failures": 1, "failed": ["a::b"]})
+    assert "timed out" in gpu_suite.stress_line({"error": "timed out after 84 s"})

@@ -12,9 +12,14 @@ Without CUDA (and without ``--dry-run``) it exits at once with status 2 and "nee
 
 Phases, each with its own time limit, so one that hangs or fails does not take the others with it:
 
-1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR);
-2. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess;
-3. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
+1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR), all but the stress tests;
+2. the stress tests, ``pytest -m gpu tests/test_gpu_stress.py``, in a subprocess with a time limit of their own:
+   [8192, 8192] parameters, no synchronization between steps, delays injected on the copy and compute streams,
+   checked against the dense simulation after every step (is the CUDA pipeline correct under stress?);
+3. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess: the kernels' bandwidth against a
+   device copy, a step's launches for 56 matrices of a ~1B decoder (one grouped launch, and one launch per matrix)
+   against ``torch.optim.AdamW(fused=True)`` on the same shapes, and the host time to issue them per parameter;
+4. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
    random init, bf16, no positional encoding: positions do not change the cost) fine-tuned for some steps with each
    provider: no offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
    ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload schedule), torchao's
@@ -62,6 +67,7 @@ from providers import (
 )
 
 REPO = BENCH_DIR.parent
+STRESS_TESTS = "tests/test_gpu_stress.py"
 
 NEEDS_GPU = "gpu_suite: needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to check the script on CPU"
 # The whole suite must finish in 8 minutes on one H200; the phases share this budget, and the margin covers
@@ -341,6 +347,19 @@ def e2e_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def stress_line(r: dict[str, Any] | None) -> str:
+    """One sentence: did the stress tests pass, fail, or not run."""
+    if not r:
+        return "not run"
+    if r.get("error"):
+        return f"did not finish: {r['error']} (see stress_tests.log)"
+    if r.get("failures") or r.get("errors"):
+        return f"FAILED: {', '.join(r.get('failed', []))} (see stress_tests.log)"
+    ran = r.get("tests", 0) - r.get("skipped", 0)
+    return f"passed: {ran} of {r.get('tests', 0)} tests ran and passed in {r.get('seconds', 0):.0f} s" if ran else (
+        "all skipped (no CUDA device)")
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     s = report["e2e_settings"]
@@ -351,13 +370,18 @@ def report_markdown(report: dict[str, Any]) -> str:
         "## GPU tests",
         "```\n" + json.dumps({k: v for k, v in report.get("gpu_tests", {}).items() if k != "tail"}, indent=1)
         + "\n```",
+        "## Stress tests (correct under stress?)",
+        stress_line(report.get("stress_tests")),
         "## Device kernels",
     ]
     rows = report.get("device_kernels", {}).get("rows", [])
     if rows:
-        parts.append("| bench | median µs | GB/s | × copy |\n|---|---:|---:|---:|\n" + "\n".join(
-            f"| {r['name']} | {r['median_s'] * 1e6:.0f} | {r.get('GB/s', float('nan')):.0f} "
-            f"| {r.get('ratio_to_copy', float('nan')):.2f} |" for r in rows))
+        nan = float("nan")
+        parts.append("| bench | median µs | GB/s | × copy | × torch fused (faster > 1) | enqueue µs/param |\n"
+                     "|---|---:|---:|---:|---:|---:|\n" + "\n".join(
+            f"| {r['name']} | {r['median_s'] * 1e6:.0f} | {r.get('GB/s', nan):.0f} "
+            f"| {r.get('ratio_to_copy', nan):.2f} | {r.get('ratio_to_torch_fused', nan):.2f} "
+            f"| {r.get('enqueue_us_per_param', nan):.1f} |" for r in rows))
     else:
         parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
     d = s["model"]
@@ -379,8 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--quick", action="store_true", help="smaller batch, fewer steps and providers (~4 minutes)")
     ap.add_argument("--dry-run", action="store_true", help="the whole pipeline on CPU with a tiny decoder")
-    ap.add_argument("--skip-tests", action="store_true", help="skip phase 1 (pytest -m gpu tests)")
-    ap.add_argument("--skip-kernels", action="store_true", help="skip phase 2 (device kernel benches)")
+    ap.add_argument("--skip-tests", action="store_true", help="skip phases 1-2 (pytest -m gpu tests, stress tests)")
+    ap.add_argument("--skip-kernels", action="store_true", help="skip phase 3 (device kernel benches)")
     ap.add_argument("--providers", nargs="*", default=None, help="end-to-end providers to run (default: all)")
     args = ap.parse_args(argv)
 
@@ -416,32 +440,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["e2e_params"] = settings.model.num_params()
     py = sys.executable
 
-    # Phases 1 and 2 first, while this process holds no GPU memory. Their shares of the budget: measured on no
+    # Phases 1-3 first, while this process holds no GPU memory. Their shares of the budget: measured on no
     # GPU yet, so generous; the end-to-end phase gets the rest and stops early (recorded) if it runs out.
     if not args.skip_tests:
         print("# phase 1: pytest -m gpu tests", flush=True)
         junit = out / "gpu_tests.xml"
         r = run_subprocess("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
-                                         f"--junitxml={junit}"], out, min(0.4 * budget, remaining() - 60))
+                                         f"--ignore={STRESS_TESTS}", f"--junitxml={junit}"], out,
+                           min(0.3 * budget, remaining() - 60))
         r.update(junit_summary(junit))
         # pytest exits 5 when every test was deselected (no -m gpu tests): not a failure.
         failed |= r.get("returncode") not in (0, 5) or bool(r.get("failures") or r.get("errors"))
         report["gpu_tests"] = r
         save()
+        # Its own phase and time limit: the checks against the dense simulation run on the host (~1-3 s per step at
+        # these sizes, 16 cores; an estimate, never measured), and must not eat the other tests' time.
+        print("# phase 2: stress tests", flush=True)
+        junit = out / "stress_tests.xml"
+        r = run_subprocess("stress_tests", [py, "-m", "pytest", "-m", "gpu", STRESS_TESTS, "-q", "-p",
+                                            "no:cacheprovider", f"--junitxml={junit}"], out,
+                           min(0.25 * budget, remaining() - 60))
+        r.update(junit_summary(junit))
+        failed |= r.get("returncode") not in (0, 5) or bool(r.get("failures") or r.get("errors"))
+        report["stress_tests"] = r
+        save()
     if not args.skip_kernels:
-        print("# phase 2: device kernel benches", flush=True)
+        print("# phase 3: device kernel benches", flush=True)
         bjson = out / "device_kernels.json"
         cmd = [py, "-m", "pytest", "bench/bench_device_kernels.py", "-q", "-p", "no:cacheprovider",
                f"--benchmark-json={bjson}"]
         if args.dry_run:
             cmd.append("--benchmark-disable")
-        r = run_subprocess("device_kernels", cmd, out, min(0.25 * budget, remaining() - 60))
+        r = run_subprocess("device_kernels", cmd, out, min(0.15 * budget, remaining() - 60))
         r["rows"] = kernel_bench_rows(bjson)
         failed |= r.get("returncode") not in (0, 5)
         report["device_kernels"] = r
         save()
 
-    print(f"# phase 3: end to end, {settings.model.num_params() / 1e9:.2f}B params on {device}", flush=True)
+    print(f"# phase 4: end to end, {settings.model.num_params() / 1e9:.2f}B params on {device}", flush=True)
     if device.type == "cuda":
         # Only now: querying the device creates this process's CUDA context, which phases 1-2 did not need.
         props = torch.cuda.get_device_properties(device)

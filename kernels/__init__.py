@@ -1,11 +1,13 @@
 """Kernels of zenflow_triton, installed as ``zenflow_triton.kernels``.
 
 - ``hyperparams``: ``AdamHyperparams``, the validated record of lr, betas, eps, weight decay that every op takes.
-- ``device_ops``: ``DeviceOps``, the interface of the three device-side ops, and ``load_device_ops`` (backends).
+- ``device_ops``: ``DeviceOps``, the interface of the device-side ops, ``FusedStepArgs`` (one call of the batched fused
+  step, ``fused_steps_``), and ``load_device_ops`` (backends).
 - ``reference``: plain-torch twins of every op (the oracle; backend ``"torch"``).
 - ``numba_device_ops``: numba, the device-side ops for CPU tensors (backend ``"numba"``).
-- ``triton_device_ops``: the three Triton launchers below, gathered (backend ``"triton"``).
-- ``fused_step``: Triton, one pass over a gradient (scores, AdamW on selected columns, accumulate the rest).
+- ``triton_device_ops``: the Triton launchers below, gathered (backend ``"triton"``).
+- ``fused_step``: Triton, one pass over a gradient (scores, AdamW on selected columns, accumulate the rest); for one
+  parameter, or for many in one launch.
 - ``colnorm``: Triton, per-column squared norms alone (selection steps).
 - ``merge``: Triton, write the host snapshot into unselected columns.
 - ``cpu_adamw``: numba, masked AdamW over host buffers with a model-dtype snapshot in the same pass.
@@ -18,7 +20,7 @@ Triton and numba modules are imported on use (``load_device_ops`` imports them l
 
 from . import reference
 from ._checks import MODEL_DTYPES
-from .device_ops import DeviceOps, load_device_ops
+from .device_ops import DeviceOps, FusedStepArgs, load_device_ops
 from .hyperparams import AdamHyperparams
 
-__all__ = ["MODEL_DTYPES", "AdamHyperparams", "DeviceOps", "load_device_ops", "reference"]
+__all__ = ["MODEL_DTYPES", "AdamHyperparams", "DeviceOps", "FusedStepArgs", "load_device_ops", "reference"]

@@ -20,8 +20,10 @@ except ImportError as exc:  # pragma: no cover - only where Triton is missing
     ) from exc
 
 __all__ = [
+    "ADD_PARTIALS_BLOCK",
     "RowSplitPlan",
     "add_partials_",
+    "add_partials_grouped_",
     "check_launch_device",
     "device_guard",
     "fp32_to_bf16_bits",
@@ -44,6 +46,13 @@ TARGET_PROGRAMS = 1024
 # one [BLOCK_C] partial-sum store and its re-read in add_partials_); at 256 rows x 128 columns it streams >= 64 KiB
 # of gradient alone, so that fixed cost stays around 1% (reasoning, not a measurement).
 MIN_ROWS_PER_SPLIT = 256
+# Small matrices: fewer programs than this (two per SM of an H100/H200's 132, about what the fused step's register use
+# lets an SM hold) and the rows are cut into shorter splits, down to SMALL_ROWS_PER_SPLIT, rather than leave SMs idle:
+# a [2048, 2048] weight gets 256 programs of 128 rows instead of 128 programs of 256 rows. The fixed cost per split
+# then rises to ~2% of its stream (same reasoning as above, no GPU measurement). Shape-only, so still reproducible.
+# In a grouped launch (fused_steps_) many matrices share one grid and fill the GPU together anyway.
+MIN_PROGRAMS = 264
+SMALL_ROWS_PER_SPLIT = 64
 
 
 def interpreting(kernel: object) -> bool:
@@ -113,7 +122,8 @@ def plan_row_splits(
     """Split ``rows`` so that tall and wide matrices both give about ``TARGET_PROGRAMS`` programs.
 
     A wide matrix has enough column blocks on its own and gets one split (scores added straight into ``score``); a
-    tall one is cut into splits of at least ``MIN_ROWS_PER_SPLIT`` rows, each a multiple of ``block_r``. The plan
+    tall one is cut into splits of at least ``MIN_ROWS_PER_SPLIT`` rows, each a multiple of ``block_r``, or of at
+    least ``SMALL_ROWS_PER_SPLIT`` rows while that leaves fewer than ``MIN_PROGRAMS`` programs. The plan
     depends on the shape and block sizes only, which is what makes the score reduction order reproducible.
     ``rows_per_split`` (tests) overrides the policy; it must be a positive multiple of ``block_r``.
     """
@@ -123,6 +133,8 @@ def plan_row_splits(
     if rows_per_split is None:
         wanted = triton.cdiv(TARGET_PROGRAMS, col_blocks)
         splits = max(1, min(wanted, rows // MIN_ROWS_PER_SPLIT))
+        if col_blocks * splits < MIN_PROGRAMS:
+            splits = max(splits, min(triton.cdiv(MIN_PROGRAMS, col_blocks), rows // SMALL_ROWS_PER_SPLIT))
         rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
     elif isinstance(rows_per_split, bool) or not isinstance(rows_per_split, int) or rows_per_split < 1 or (
         rows_per_split % block_r
@@ -173,12 +185,49 @@ def _add_partials_kernel(score_ptr, partial_ptr, C, SPLITS, BLOCK: tl.constexpr)
 
 # Columns per program of the partial-sum reduction: it reads splits x 4 bytes per column and is tiny next to the
 # main pass; 1024 columns keeps a [8192]-column reduction at 8 programs (reasoning, no GPU measurement).
-_ADD_PARTIALS_BLOCK = 1024
+ADD_PARTIALS_BLOCK = 1024
 
 
 def add_partials_(score: torch.Tensor, partials: torch.Tensor) -> None:
     """``score += partials.sum(0)`` for fp32 ``partials [splits, C]``, adding the splits in order (deterministic)."""
     splits, cols = partials.shape
-    grid = (triton.cdiv(cols, _ADD_PARTIALS_BLOCK),)
-    _add_partials_kernel[grid](score, partials, cols, splits, BLOCK=_ADD_PARTIALS_BLOCK, num_warps=4,
+    grid = (triton.cdiv(cols, ADD_PARTIALS_BLOCK),)
+    _add_partials_kernel[grid](score, partials, cols, splits, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
                                   enable_fp_fusion=False)
+
+
+@triton.jit
+def _add_partials_grouped_kernel(table_ptr, n_calls, BLOCK: tl.constexpr):
+    # _add_partials_kernel for each row of the table (first program, score address, partials address, C, splits):
+    # the same loads and adds in the same order, so the same sums bit for bit.
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + n_calls
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(table_ptr + mid.to(tl.int64) * 5) <= pid:
+            lo = mid
+        else:
+            hi = mid
+    row = table_ptr + lo.to(tl.int64) * 5
+    score_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    partial_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    C = tl.load(row + 3).to(tl.int32)
+    SPLITS = tl.load(row + 4).to(tl.int32)
+    cols = (pid - tl.load(row).to(tl.int32)) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    ptrs = partial_ptr + cols
+    total = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in range(1, SPLITS):
+        ptrs += C
+        total += tl.load(ptrs, mask=mask, other=0.0)
+    old = tl.load(score_ptr + cols, mask=mask, other=0.0)
+    tl.store(score_ptr + cols, old + total, mask=mask)
+
+
+def add_partials_grouped_(table: torch.Tensor, n_calls: int, programs: int) -> None:
+    """``add_partials_`` for ``n_calls`` (score, partials) pairs in one launch. ``table``: int64 ``[n_calls, 5]`` rows
+    (first program, score address, partials address, C, splits), first programs increasing, each call owning
+    ``cdiv(C, ADD_PARTIALS_BLOCK)`` programs; ``programs`` in all. Used by ``fused_steps_``."""
+    _add_partials_grouped_kernel[(programs,)](table, n_calls, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
+                                              enable_fp_fusion=False)

@@ -14,6 +14,8 @@ The host half of a step (AdamW on the unselected columns) is not a device op: ``
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,12 +23,32 @@ import torch
 from . import reference
 from .hyperparams import AdamHyperparams
 
-__all__ = ["DeviceOps", "load_device_ops"]
+__all__ = ["DeviceOps", "FusedStepArgs", "load_device_ops"]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class FusedStepArgs:
+    """One parameter's fused step, as :meth:`DeviceOps.fused_steps_` takes a batch of them: the arguments of
+    :meth:`DeviceOps.fused_step_`, same names and meaning (``check_slots`` is not offered: it syncs the device)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    score: torch.Tensor
+    slot: torch.Tensor
+    col_step: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    acc: torch.Tensor
+    hp: AdamHyperparams
+    accumulate: bool
+    update_score: bool = True
 
 
 @runtime_checkable
 class DeviceOps(Protocol):
-    """The three device-side ops. Implementations (modules, matched structurally; same arguments, same errors):
+    """The device-side ops (``fused_steps_`` is ``fused_step_`` for many parameters at once). Implementations
+    (modules, matched structurally; same arguments, same errors):
 
     - backend ``"torch"``: ``zenflow_triton.kernels.reference`` (kernels/reference.py);
     - backend ``"numba"``: ``zenflow_triton.kernels.numba_device_ops`` (kernels/numba_device_ops.py), CPU tensors;
@@ -65,6 +87,16 @@ class DeviceOps(Protocol):
 
         Implementations: ``reference.fused_step_`` (torch), ``numba_device_ops.fused_step_`` (numba),
         ``fused_step.fused_step_`` (triton).
+        """
+        ...
+
+    def fused_steps_(self, calls: Sequence[FusedStepArgs]) -> None:
+        """``fused_step_`` for every call, with the same results bit for bit as calling it once per call in order.
+        The calls must not share a tensor that one of them writes (``param``, ``score``, compact state, ``acc``).
+
+        Implementations: ``reference.fused_steps_`` and ``numba_device_ops.fused_steps_`` (a loop),
+        ``fused_step.fused_steps_`` (triton: one launch per parameter dtype for all calls, plus one for the scores of
+        tall matrices; the per-call Python cost is a fraction of ``fused_step_``'s).
         """
         ...
 

@@ -18,6 +18,9 @@ those of :mod:`zenflow_triton.kernels.reference`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
 import torch
@@ -33,7 +36,10 @@ from ._checks import (
 from ._numba_utils import adamw_elem, flat_view, load_grad, scalar_hyperparams, store_snap
 from .hyperparams import AdamHyperparams, require_hyperparams
 
-__all__ = ["column_sumsq_", "fused_step_", "merge_"]
+if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run time
+    from .device_ops import FusedStepArgs
+
+__all__ = ["column_sumsq_", "fused_step_", "fused_steps_", "merge_"]
 
 # These kernels run on the training thread while the host worker runs cpu_adamw's: two threads launching
 # parallel regions at once. numba's workqueue layer aborts on that; omp and tbb allow it. Ask for a safe
@@ -382,6 +388,15 @@ def fused_step_(
     )
     if update_score:
         _launch(_ADD_PARTIALS, partial.size, cols, score.numpy(), partial, cols)
+
+
+def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
+    """:func:`fused_step_` for each call, in order. On CPU tensors there is no launch to save: each call already
+    runs its rows in parallel, and a loop costs what the per-parameter calls cost."""
+    for c in calls:
+        fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
+                    exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
+                    update_score=c.update_score)
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:

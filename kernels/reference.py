@@ -1,7 +1,7 @@
 """Plain-torch twins of every kernel: the oracle in tests, and backend ``"torch"`` of the device-side ops.
 
 As a module this satisfies :class:`zenflow_triton.kernels.device_ops.DeviceOps` (``column_sumsq_``, ``fused_step_``,
-``merge_``); ``host_adamw_`` is the twin of the numba host kernel in ``cpu_adamw.py``.
+``fused_steps_``, ``merge_``); ``host_adamw_`` is the twin of the numba host kernel in ``cpu_adamw.py``.
 
 Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; its columns are the channels.
 
@@ -18,6 +18,9 @@ hyperparameters one :class:`~zenflow_triton.kernels.hyperparams.AdamHyperparams`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._checks import (
@@ -29,11 +32,15 @@ from ._checks import (
 )
 from .hyperparams import AdamHyperparams, require_hyperparams
 
+if TYPE_CHECKING:  # device_ops imports this module
+    from .device_ops import FusedStepArgs
+
 __all__ = [
     "adam_update_",
     "adam_update_foreach_",
     "column_sumsq_",
     "fused_step_",
+    "fused_steps_",
     "merge_",
     "host_adamw_",
 ]
@@ -165,6 +172,14 @@ def fused_step_(
     exp_avg[:, slots] = m
     exp_avg_sq[:, slots] = v
     param[:, cols] = p.to(param.dtype)
+
+
+def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
+    """:func:`fused_step_` for each call, in order: the definition of the batched op."""
+    for c in calls:
+        fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
+                    exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
+                    update_score=c.update_score)
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from zenflow_triton.kernels.hyperparams import require_hyperparams
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-OPS = ("column_sumsq_", "fused_step_", "merge_")
+OPS = ("column_sumsq_", "fused_step_", "fused_steps_", "merge_")
 HP = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -75,13 +75,13 @@ def test_triton_off_cuda_needs_the_interpreter(monkeypatch, device) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-def test_triton_backend_under_the_interpreter_is_the_three_launchers() -> None:
+def test_triton_backend_under_the_interpreter_is_the_launchers() -> None:
     from zenflow_triton.kernels import colnorm, fused_step, merge, triton_device_ops
 
     ops = load_device_ops("triton", CPU)
     assert ops is triton_device_ops
-    assert (ops.column_sumsq_, ops.fused_step_, ops.merge_) == (
-        colnorm.column_sumsq_, fused_step.fused_step_, merge.merge_)
+    assert (ops.column_sumsq_, ops.fused_step_, ops.fused_steps_, ops.merge_) == (
+        colnorm.column_sumsq_, fused_step.fused_step_, fused_step.fused_steps_, merge.merge_)
     assert sorted(triton_device_ops.__all__) == sorted(OPS)
     assert_satisfies_protocol(ops)
 

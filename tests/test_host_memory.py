@@ -1,10 +1,17 @@
-"""HostSlab: one allocation, aligned typed views that do not overlap, exact size (no power-of-two rounding)."""
+"""HostSlab: one page-aligned allocation, aligned typed views that do not overlap, exact size (no power-of-two
+rounding); pinning on the right device, MADV_DONTFORK, and the fallback when pinning fails (CUDA calls stood in for)."""
 
 from __future__ import annotations
+
+import gc
+import logging
+import mmap
+import weakref
 
 import pytest
 import torch
 
+from zenflow_triton import host_memory
 from zenflow_triton.host_memory import ALIGN_BYTES, HostSlab
 
 
@@ -49,3 +56,106 @@ def test_pinned_slab_is_page_locked_and_copies_async() -> None:
     dev = view.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert float(dev.sum()) == 2.0 * (1 << 20)
+
+
+# ---------------------------------------------------------------------------------------- pages, pinning, fork
+
+
+def _vm_flags(address: int) -> set[str] | None:
+    """The kernel's VmFlags of the mapping holding ``address`` (Linux /proc/self/smaps), or None elsewhere."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return None
+
+
+class FakeCuda:
+    """Stands in for the CUDA calls of host_memory on a machine without a GPU: records (un)registrations and
+    answers with ``error`` (0 = success)."""
+
+    def __init__(self, monkeypatch, error: int = 0) -> None:
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[tuple[int, int]] = []
+        self.cleared: list[int] = []
+        self.error = error
+        monkeypatch.setattr(host_memory, "_cuda_available", lambda: True)
+        monkeypatch.setattr(host_memory, "_register_pages", self.register)
+        monkeypatch.setattr(host_memory, "_unregister_pages", lambda ptr, dev: self.unregistered.append((ptr, dev)))
+        monkeypatch.setattr(host_memory, "_clear_cuda_error", self.cleared.append)
+        monkeypatch.setattr(host_memory, "_error_string", lambda err: "out of memory")
+        monkeypatch.setattr(host_memory, "_warned_unpinned", False)
+
+    def register(self, ptr: int, nbytes: int, device: int) -> int:
+        self.registered.append((ptr, nbytes, device))
+        return self.error
+
+
+def test_slab_is_page_aligned_exact_pages() -> None:
+    slab = HostSlab([((1000,), torch.float32), ((3,), torch.int32)], pin=False)
+    assert slab.views[0].data_ptr() % mmap.PAGESIZE == 0
+    assert slab.nbytes == 4032 + 64  # 4000 bytes rounded up to 64, then 12 rounded up to 64
+    assert not slab.pinned
+
+
+def test_pinned_slab_registers_on_its_device_marks_dontfork_and_unregisters_when_views_die(monkeypatch) -> None:
+    cuda = FakeCuda(monkeypatch)
+    slab = HostSlab([((5000,), torch.float32), ((7,), torch.bfloat16)], pin=True, device=torch.device("cuda", 3))
+    view = slab.views[0]
+    assert slab.pinned
+    assert cuda.registered == [(view.data_ptr(), slab.nbytes, 3)]
+    flags = _vm_flags(view.data_ptr())
+    if flags is not None and hasattr(mmap, "MADV_DONTFORK"):
+        assert "dc" in flags  # "do not copy area on fork"
+    owner = weakref.ref(slab._owner)
+    del slab
+    gc.collect()
+    assert cuda.unregistered == []  # a view still holds the pages
+    view.fill_(1.0)
+    del view
+    gc.collect()
+    assert owner() is None
+    assert cuda.unregistered == [(cuda.registered[0][0], 3)]
+
+
+def test_unpinned_slab_is_inherited_by_fork() -> None:
+    """Only pinned slabs are withheld from forked children: plain host memory stays copy-on-write, so a child that
+    reads optimizer state (CPU training with fork-based workers) still can."""
+    slab = HostSlab([((4096,), torch.float32)], pin=False)
+    flags = _vm_flags(slab.views[0].data_ptr())
+    if flags is None:
+        pytest.skip("no /proc/self/smaps")
+    assert "dc" not in flags
+    assert "sh" not in flags  # private pages: copy on write in a child, as malloc'd memory would be
+
+
+def test_failed_registration_falls_back_to_pageable_memory_with_one_warning(monkeypatch, caplog) -> None:
+    cuda = FakeCuda(monkeypatch, error=2)
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        first = HostSlab([((100,), torch.float32)], pin=True, device=torch.device("cuda", 1))
+        second = HostSlab([((100,), torch.float32)], pin=True, device=torch.device("cuda", 1))
+    assert not first.pinned and not second.pinned
+    assert cuda.cleared == [1, 1]  # CUDA's last error reset after each failure, on the slab's device
+    warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "ulimit -l" in warnings[0].getMessage() and "CUDA error 2: out of memory" in warnings[0].getMessage()
+    flags = _vm_flags(first.views[0].data_ptr())
+    assert flags is None or "dc" not in flags
+    first.views[0].fill_(2.0)  # still usable memory
+    assert float(first.views[0].sum()) == 200.0
+    del first, second
+    gc.collect()
+    assert cuda.unregistered == []  # nothing was registered, nothing to undo
+
+
+def test_loaded_cudart_paths_parse_proc_maps() -> None:
+    # No GPU here, so usually no CUDA runtime mapped; the parser must not fail either way.
+    assert all("libcudart.so" in path for path in host_memory._loaded_cudarts())

@@ -69,12 +69,19 @@ class Recorder:
             except Exception as exc:
                 errors.append({"kernel": self.name, "variant": key, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 return
-            compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b""))})
+            ptx = ck.asm.get("ptx", "")
+            compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b"")),
+                             "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
+                             # Vector loads of 4 x 32 bits: whether the compiler could prove the alignment it needs.
+                             "ld_v4": ptx.count("ld.global.v4"), "ld": ptx.count("ld.global")})
 
         return launch
 
 
 fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
+fused_step._fused_steps_kernel = Recorder("fused_steps", fused_step._fused_steps_kernel)
+_triton_utils._add_partials_grouped_kernel = Recorder("add_partials_grouped",
+                                                      _triton_utils._add_partials_grouped_kernel)
 colnorm._column_sumsq_kernel = Recorder("column_sumsq", colnorm._column_sumsq_kernel)
 merge._merge_kernel = Recorder("merge", merge._merge_kernel)
 _triton_utils._add_partials_kernel = Recorder("add_partials", _triton_utils._add_partials_kernel)
@@ -108,5 +115,29 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     slot[:40] = torch.arange(40, dtype=torch.int32)
     merge.merge_(torch.zeros(256, 384, dtype=dtype), torch.zeros(256, 384, dtype=dtype), slot)
 fused(8192, 512, 52, torch.bfloat16, accumulate=True, decoupled=False)
+
+
+def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0))) -> None:
+    """One grouped launch per dtype (its variants depend on the dtype, and on the number of calls only through
+    Triton's integer specialization: 1, or a multiple of 16): a call with compact state and one without, one tall
+    enough for the partial-sum launch."""
+    from zenflow_triton.kernels.device_ops import FusedStepArgs
+
+    calls = []
+    for rows, cols, k in shapes:
+        slot = torch.full((cols,), -1, dtype=torch.int32)
+        slot[:k] = torch.arange(k, dtype=torch.int32)
+        z = torch.zeros
+        calls.append(FusedStepArgs(
+            param=z(rows, cols, dtype=dtype), grad=z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
+            col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k),
+            exp_avg_sq=z(rows, k), acc=z(rows, cols), hp=HP, accumulate=True))
+    fused_step.fused_steps_(calls)
+
+
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    grouped(dtype)
+grouped(torch.bfloat16, shapes=((4096, 256, 26),))  # one call: n_calls specialized to the constant 1
+grouped(torch.bfloat16, shapes=((64, 128, 13),) * 16)  # sixteen: n_calls specialized as a multiple of 16
 
 print(json.dumps({"triton": triton.__version__, "compiled": compiled, "errors": errors}))

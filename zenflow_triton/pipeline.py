@@ -135,8 +135,20 @@ class Pipeline:
         self.failure: BaseException | None = None
         self.closed = False
         self._ops: DeviceOps | None = None
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        # CUDA only. Per model dtype, a ring of device buffers that the merge's host-to-device copies land in, each
+        # entry [buffer, filled event (copy stream), free event (compute stream)]; two per dtype, so that one
+        # parameter's copy runs while the previous one's merge kernel reads the other buffer (see _merge).
+        self._staging: dict[torch.dtype, list[list[Any]]] = {}
+        self._staging_slots = 2
+        # CUDA only, grad_dtype="bfloat16": the one device buffer every window sum is rounded into before its copy
+        # to the host (see _ship_sums).
+        self._bf16_landing: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None  # the CUDA device of the parameters, once known
+        # Tests only (tests/test_gpu_stress.py): torch.cuda._sleep cycles injected on the copy stream before the
+        # window's device-to-host copies ("d2h") and before each merge copy ("h2d"), and on the compute stream
+        # before each merge kernel ("merge"), so that a missing event shows as wrong numbers. Empty in training.
+        self.test_delays: dict[str, int] = {}
         self._job: Future | None = None  # the host job in flight
         self._job_compiles = False  # the job in flight is compile_host_kernels
         # A KeyboardInterrupt or SystemExit that arrived while waiting for the host: the call it interrupted
@@ -183,7 +195,9 @@ class Pipeline:
             raise RuntimeError("the host worker failed during an earlier window") from exc
 
     def close(self, state: State) -> None:
-        """Apply host work still in flight (unless the worker failed), stop the worker, release host buffers."""
+        """Apply host work still in flight (unless the worker failed), stop the worker, and release everything
+        large: ``state`` (the optimizer's, cleared: slab views, ``acc``, the compact device state), the slabs, the
+        records and the device buffers."""
         if self.closed:
             return
         try:
@@ -193,9 +207,19 @@ class Pipeline:
             self.closed = True
             self.worker.close()
             self._finalizer.detach()
+            if self._device is not None:
+                # Queued copies read and write slab pages (copy stream) and merges read staging (compute stream):
+                # the pages may be unregistered and unmapped only once no queued work can touch them. Every stream
+                # of the device, not just those two: close() is rare, and the user may have queued work of their own
+                # on a side stream that reads a state tensor.
+                torch.cuda.synchronize(self._device)
+            state.clear()
             self.slabs.clear()
             self.records.clear()
             self._staging.clear()
+            self._bf16_landing = None
+            self._copy_stream = None
+            self._job = None
 
     # ------------------------------------------------------------------ host state
 
@@ -214,6 +238,10 @@ class Pipeline:
 
     def load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], state: State) -> None:
         """Replace all host state by saved state (``load_state_dict``): the old slabs go, one new slab holds all."""
+        if self._device is not None:
+            # The old slabs die here: queued copies from or into their pages (a merge's, after a synchronous window
+            # that nothing waited for on the device) must have finished first. See close().
+            torch.cuda.synchronize(self._device)
         self.records.clear()
         self.slabs.clear()
         if not saved:
@@ -225,7 +253,14 @@ class Pipeline:
 
     def _allocate(self, params: Sequence[torch.Tensor], state: State) -> dict[torch.Tensor, OffloadedParam]:
         grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
-        slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
+        device = params[0].device
+        if device.type == "cuda":
+            self._device = device
+            # The worker's jobs wait on CUDA events: on the parameters' device, not on a context of device 0.
+            self.worker.use_device(device)
+        # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
         self.slabs.append(slab)
         self.records.update(records)
         return records
@@ -298,17 +333,36 @@ class Pipeline:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=device)
         copy = self._copy_stream
-        sources = []
-        for w in windows:
-            acc = state[w.param]["acc"]
-            sources.append(acc.to(torch.bfloat16) if self.config.grad_dtype == "bfloat16" else acc)
+        rounds = self.config.grad_dtype == "bfloat16"
         # The copies may start only after this step's fused kernels finished writing acc.
         copy.wait_stream(compute)
         with torch.cuda.stream(copy):
-            for w, src in zip(windows, sources):
-                self.records[w.param].landing.copy_(src, non_blocking=True)
-                src.record_stream(copy)
-            ready = torch.cuda.Event()
+            if self.test_delays.get("d2h"):
+                torch.cuda._sleep(self.test_delays["d2h"])
+            for w in windows:
+                acc = state[w.param]["acc"]
+                landing = self.records[w.param].landing
+                if rounds:
+                    # Rounded to bf16 on this stream, into one buffer that every parameter reuses: stream order puts
+                    # each rounding after the copy out of the buffer before it, so no event is needed, and one
+                    # parameter's bf16 sum exists at a time (acc.to(bfloat16) for all of them at once peaked at
+                    # 2 bytes per offloaded parameter). Rounding reads HBM at ~100x the PCIe rate it feeds, so
+                    # serializing the two costs ~1%. Allocated on this stream, the only one that uses it.
+                    numel = acc.numel()
+                    if self._bf16_landing is None or self._bf16_landing.numel() < numel:
+                        self._bf16_landing = None  # freed first: the allocator may reuse it, in this stream's order
+                        self._bf16_landing = torch.empty(numel, dtype=torch.bfloat16, device=device)
+                    src = self._bf16_landing[:numel].view(acc.shape)
+                    src.copy_(acc)  # the same rounding as acc.to(torch.bfloat16): to nearest even
+                else:
+                    src = acc
+                landing.copy_(src, non_blocking=True)
+                # acc is read on this stream: if it is freed (close, load_state_dict), the allocator must not hand
+                # its memory out again before this stream is past the read.
+                acc.record_stream(copy)
+            # blocking=True: the host job waits on it with the thread asleep instead of spinning a core that the
+            # host AdamW running next to it needs.
+            ready = torch.cuda.Event(blocking=True)
             ready.record(copy)
         return ready
 
@@ -391,16 +445,40 @@ class Pipeline:
         ops = self.device_ops(p.device)
         if p.device.type == "cuda":
             numel = source.numel()
-            staging = self._staging.get(p.dtype)
-            if staging is None or staging.numel() < numel:
-                staging = torch.empty(numel, dtype=p.dtype, device=p.device)
-                self._staging[p.dtype] = staging
-            view = staging[:numel].view(rec.rows, rec.cols)
-            # Ordered on the compute stream, so it lands before the merge and before anything that
-            # follows; the next host job starts writing the snapshot only after a copy-stream event
-            # recorded later than this copy on the same compute stream, so the source stays intact.
-            view.copy_(source, non_blocking=True)
+            compute = torch.cuda.current_stream(p.device)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=p.device)
+            copy = self._copy_stream
+            # The host-to-device copy runs on the copy stream, so the compute stream is not blocked by it (the kernels
+            # queued before the merge keep running while it crosses PCIe); the compute stream waits for it only just
+            # before the merge kernel. Buffers rotate through a ring of two.
+            ring = self._staging.setdefault(p.dtype, [])
+            if len(ring) < self._staging_slots:
+                entry = [None, torch.cuda.Event(), torch.cuda.Event()]
+            else:
+                entry = ring.pop(0)
+            if entry[0] is None or entry[0].numel() < numel:
+                # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose
+                # last use of it (the merge kernel) came after the copy stream's last write (see `filled` below).
+                entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
+            buffer, filled, free = entry
+            view = buffer[:numel].view(rec.rows, rec.cols)
+            with torch.cuda.stream(copy):
+                # The merge kernel that read this buffer last (compute stream) must be done before it is overwritten.
+                copy.wait_event(free)
+                if self.test_delays.get("h2d"):
+                    torch.cuda._sleep(self.test_delays["h2d"])
+                view.copy_(source, non_blocking=True)
+                filled.record(copy)
+            # The merge reads the buffer only once the copy has landed. The host source stays intact until then: the
+            # next host job writes it only after its `ready` event, which _ship_sums records later on this same copy
+            # stream (and a selection step's migration first synchronizes the compute stream, which waits here).
+            compute.wait_event(filled)
+            if self.test_delays.get("merge"):
+                torch.cuda._sleep(self.test_delays["merge"])
             ops.merge_(w2, view, st["slot"])
+            free.record(compute)
+            ring.append(entry)
         else:
             ops.merge_(w2, source, st["slot"])
         self.stats.h2d_bytes += source.numel() * source.element_size()

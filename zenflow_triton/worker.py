@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -51,6 +52,8 @@ class HostWorker:
         )
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        self._device: Any = None  # the CUDA device jobs run on (use_device), None: whatever the thread has
+        self._thread_device: Any = None  # the device set in the worker thread so far
         self._thread.start()
 
     def _loop(self) -> None:
@@ -59,12 +62,44 @@ class HostWorker:
             if item is None:
                 return
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
-                future.set_exception(exc)
+            # Dropped before the job runs, and the job's own references right after it: a thread waiting for its
+            # next job must hold nothing of the last one (host buffers from a slab replaced since, by
+            # load_state_dict or close, would otherwise stay pinned until the next window).
+            del item
+            if future.set_running_or_notify_cancel():
+                self._run(future, fn, args)
+            del future, fn, args
+
+    def _run(self, future: Future, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._enter_device()
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the training thread
+            # The optimizer keeps the exception to re-raise, and its traceback holds the job's frames, which link
+            # back to this one: the job's frames keep their lines but drop their locals (host buffers), and this
+            # frame drops the job's arguments.
+            del fn, args
+            traceback.clear_frames(exc.__traceback__)
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def use_device(self, device: Any) -> None:
+        """Run the following jobs with ``device`` (a CUDA ``torch.device``) as this thread's current device.
+
+        A thread starts on CUDA's device 0; a job's first CUDA call (an event wait) would create a context there,
+        on every rank of a one-process-per-GPU job (hundreds of MB of GPU 0 each, as the DataLoader's pin-memory
+        thread once did). Jobs then run as if started on the parameters' device.
+        """
+        self._device = device
+
+    def _enter_device(self) -> None:
+        device = self._device
+        if device is not None and device != self._thread_device:
+            import torch  # only here: the worker itself needs no torch
+
+            torch.cuda.set_device(device)
+            self._thread_device = device
 
     @property
     def alive(self) -> bool:

@@ -1,0 +1,145 @@
+"""zenflow_triton/columns.py: the batched selection step (``reselect_many_``, ``migrate_columns_many``) against the
+per-parameter one (``reselect_``, ``migrate_columns``), bit for bit, on CPU tensors (the packing, the index plans and
+the scatters are the CUDA path's; only pinning, the asynchronous copies and the synchronizations are not run)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from zenflow_triton.columns import (
+    ColumnMasks,
+    ColumnMove,
+    migrate_columns,
+    migrate_columns_many,
+    reselect_,
+    reselect_many_,
+    select_columns,
+)
+
+# (rows, cols, k_old, k_new): nothing selected before or after, everything, a column, primes, no change.
+SHAPES = [(5, 40, 0, 10), (3, 17, 17, 5), (8, 33, 11, 11), (1, 1, 1, 0), (4, 9, 0, 0), (6, 50, 12, 12),
+          (2, 64, 64, 64), (7, 31, 3, 30)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def assert_identical(a: object, b: object, where: str = "") -> None:
+    """Same structure; tensors equal bit for bit (NaN payloads, -0.0 included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, where
+        assert torch.equal(_bits(a), _bits(b)), where
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}.{key}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def make_state(rows: int, cols: int, k_old: int, seed: int) -> tuple[dict, ColumnMasks]:
+    gen = torch.Generator().manual_seed(seed)
+    score = torch.rand(cols, generator=gen)
+    if cols > 3:
+        score[1] = score[2]  # a tie
+    score[0] = -0.0
+    slot = select_columns(torch.rand(cols, generator=gen), k_old)
+    st = {
+        "score": score,
+        "slot": slot,
+        "col_step": torch.randint(0, 1000, (cols,), generator=gen, dtype=torch.int32),
+        "host_col_step": torch.randint(0, 1000, (cols,), generator=gen, dtype=torch.int32),
+    }
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        st[key] = torch.randn(rows, k_old, generator=gen)
+        st["host_" + key] = torch.randn(rows, cols, generator=gen)
+    if k_old:
+        st["master"][0, 0] = float("nan")  # payloads and signs must travel as bits
+        st["exp_avg"][-1, -1] = -0.0
+    masks = ColumnMasks.empty(cols, torch.device("cpu"))
+    masks.refresh(slot)
+    return st, masks
+
+
+def test_reselect_many_equals_reselect_per_parameter() -> None:
+    cases = [make_state(rows, cols, k_old, seed) for seed, (rows, cols, k_old, _) in enumerate(SHAPES)]
+    ks = [k_new for *_, k_new in SHAPES]
+    twins = copy.deepcopy(cases)
+    expected = [reselect_(st, masks, k) for (st, masks), k in zip(twins, ks)]
+    got = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
+    assert got == expected
+    for i, ((st, masks), (st2, masks2)) in enumerate(zip(cases, twins)):
+        assert_identical(st, st2, f"param {i}")
+        assert_identical(vars(masks), vars(masks2), f"masks {i}")
+    assert sum(r.columns_changed for r in got) > 0
+
+
+def test_reselect_many_of_nothing() -> None:
+    assert reselect_many_([]) == []
+    assert migrate_columns_many([]) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_migrate_columns_many_equals_per_parameter(seed: int) -> None:
+    """Arbitrary new slot maps (not top-k), slots in any order: the migration is data movement only."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    moves, twins = [], []
+    for rows, cols, k_old, k_new in SHAPES:
+        st, _ = make_state(rows, cols, k_old, seed)
+        new_slot = torch.full((cols,), -1, dtype=torch.int32)
+        chosen = torch.randperm(cols, generator=gen)[:k_new]
+        new_slot[chosen] = torch.randperm(k_new, generator=gen).to(torch.int32)
+        args = dict(old_slot=st["slot"], new_slot=new_slot, compact=(st["master"], st["exp_avg"], st["exp_avg_sq"]),
+                    col_step=st["col_step"], host=(st["host_master"], st["host_exp_avg"], st["host_exp_avg_sq"]),
+                    host_col_step=st["host_col_step"])
+        moves.append(ColumnMove(**args))
+        twins.append(copy.deepcopy(args))
+    expected = [migrate_columns(**args) for args in twins]
+    got = migrate_columns_many(moves)
+    assert_identical(got, expected)
+    for i, (m, args) in enumerate(zip(moves, twins)):
+        assert_identical([m.col_step, m.host_col_step, *m.host], [args["col_step"], args["host_col_step"],
+                                                                   *args["host"]], f"move {i}")
+
+
+def test_migrate_columns_many_needs_one_device() -> None:
+    st, _ = make_state(2, 4, 1, 0)
+    meta = ColumnMove(old_slot=torch.empty(4, dtype=torch.int32, device="meta"), new_slot=st["slot"],
+                      compact=(st["master"],) * 3, col_step=st["col_step"], host=(st["host_master"],) * 3,
+                      host_col_step=st["host_col_step"])
+    cpu = ColumnMove(old_slot=st["slot"], new_slot=st["slot"], compact=(st["master"],) * 3, col_step=st["col_step"],
+                     host=(st["host_master"],) * 3, host_col_step=st["host_col_step"])
+    with pytest.raises(ValueError, match="one device"):
+        migrate_columns_many([cpu, meta])
+
+
+@pytest.mark.gpu
+def test_reselect_many_on_cuda_equals_reselect_per_parameter() -> None:
+    """The CUDA path proper: pinned staging, asynchronous copies, two synchronizations; wide enough that the
+    transfers are more than a few bytes."""
+    shapes = SHAPES + [(4096, 2048, 205, 205), (1024, 8192, 0, 820), (512, 4096, 4096, 410)]
+    cases = []
+    for seed, (rows, cols, k_old, _) in enumerate(shapes):
+        st, _ = make_state(rows, cols, k_old, seed)
+        st = {key: t.cuda() for key, t in st.items() if not key.startswith("host_")} | {
+            key: t for key, t in st.items() if key.startswith("host_")}
+        masks = ColumnMasks.empty(cols, torch.device("cuda"))
+        masks.refresh(st["slot"])
+        cases.append((st, masks))
+    ks = [k_new for *_, k_new in shapes]
+    twins = [({key: t.clone() for key, t in st.items()}, copy.deepcopy(masks)) for st, masks in cases]
+    expected = [reselect_(st, masks, k) for (st, masks), k in zip(twins, ks)]
+    got = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
+    assert got == expected
+    for i, ((st, masks), (st2, masks2)) in enumerate(zip(cases, twins)):
+        assert_identical({k: v.cpu() for k, v in st.items()}, {k: v.cpu() for k, v in st2.items()}, f"param {i}")
+        assert_identical({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(masks).items()},
+                         {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(masks2).items()})
