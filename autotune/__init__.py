@@ -6,7 +6,10 @@ The modules, each importing only those listed before it:
 
 - :mod:`.machine`: which machine this is (host, CPU model, cores, cache, GPU name) and its key;
 - :mod:`.profile`: the measured figures (:class:`Profile` and its parts), to and from plain dicts;
-- :mod:`.model`: the pure cost model and chooser (:func:`plan`, :func:`predict`, :func:`stall_grid`);
+- :mod:`.quality`: the loss ratio vs AdamW over ``(topk_ratio, U)``, measured on the demo's fine-tune and shipped
+  as data (:class:`QualityTable`); users can pass their own;
+- :mod:`.model`: the pure cost model and chooser (:func:`plan`, :func:`predict`, :func:`stall_grid`), which weighs
+  the predicted step time against the quality table's loss ratio;
 - :mod:`.probes`: touches hardware and returns a :class:`Profile` (:func:`probe_machine`);
 - :mod:`.cache`: the profile as versioned JSON in a per-user, per-machine file;
 - :mod:`.bridge`: :func:`plan_for_optimizer`, what the optimizer's ``"auto"`` calls (profile lookup, memory
@@ -16,7 +19,7 @@ The modules, each importing only those listed before it:
 Importing this package neither compiles numba kernels nor initializes CUDA.
 """
 
-from .bridge import plan_for_optimizer
+from .bridge import QUALITY_ENV_VAR, plan_for_optimizer, quality_table_for
 from .cache import (
     ENV_VAR,
     SCHEMA_VERSION,
@@ -29,10 +32,13 @@ from .cache import (
 )
 from .machine import current_machine_key, machine_key
 from .model import (
+    DEFAULT_MAX_LOSS_RATIO,
     Plan,
     Prediction,
     Targets,
     Workload,
+    format_count,
+    format_seconds,
     plan,
     predict,
     shapes_for_param_count,
@@ -40,9 +46,12 @@ from .model import (
 )
 from .probes import ProbeSettings, probe_machine
 from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+from .quality import QualityTable, QualityTableError, default_quality_table, load_quality_table
 
 __all__ = [
+    "DEFAULT_MAX_LOSS_RATIO",
     "ENV_VAR",
+    "QUALITY_ENV_VAR",
     "SCHEMA_VERSION",
     "BandwidthCurve",
     "CpuAdamwRates",
@@ -53,18 +62,25 @@ __all__ = [
     "ProbeSettings",
     "Profile",
     "ProfileError",
+    "QualityTable",
+    "QualityTableError",
     "Targets",
     "Workload",
     "cache_dir",
     "current_machine_key",
     "default_profile_path",
+    "default_quality_table",
     "find_profile",
+    "format_count",
+    "format_seconds",
     "load_profile",
+    "load_quality_table",
     "machine_key",
     "plan",
     "plan_for_optimizer",
     "predict",
     "probe_machine",
+    "quality_table_for",
     "save_profile",
     "shapes_for_param_count",
     "stall_grid",

@@ -8,6 +8,10 @@ Progress goes to stderr; the table (or ``--json``) to stdout. Exit codes, for sc
 - 4: no usable profile (``--load`` found none or an invalid one; planning for a GPU the profile lacks)
 - 5: could not write the profile or the plot
 - 6: an optional dependency is missing (``--plot`` needs matplotlib: ``pip install 'zenflow_triton[plot]'``)
+- 7: the quality table (``--quality-table``) cannot be read or is malformed
+
+The choice weighs the predicted step time against the predicted loss ratio vs AdamW (``--max-loss-ratio``) from a
+quality table: the shipped one (:mod:`.quality`) or yours (``--quality-table``).
 """
 
 from __future__ import annotations
@@ -23,20 +27,33 @@ from typing import Any
 
 from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
 
-from .bridge import MEMORY_BUDGET_FRACTION
+from .bridge import MEMORY_BUDGET_FRACTION, QUALITY_ENV_VAR, quality_table_for
 from .cache import ENV_VAR, ProfileError, default_profile_path, load_profile, save_profile
-from .model import GRAD_BYTES, Plan, Targets, Workload, plan, shapes_for_param_count, stall_grid
+from .model import (
+    DEFAULT_MAX_LOSS_RATIO,
+    GRAD_BYTES,
+    Plan,
+    Targets,
+    Workload,
+    format_count,
+    format_seconds,
+    plan,
+    predict,
+    shapes_for_param_count,
+)
 from .probes import ProbeSettings, probe_machine
 from .profile import Profile
+from .quality import QualityTable, QualityTableError
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_PROBE_FAILED", "EXIT_NO_PROFILE", "EXIT_WRITE_FAILED",
-           "EXIT_MISSING_DEPENDENCY"]
+           "EXIT_MISSING_DEPENDENCY", "EXIT_BAD_QUALITY_TABLE"]
 
 EXIT_OK = 0
 EXIT_PROBE_FAILED = 3
 EXIT_NO_PROFILE = 4
 EXIT_WRITE_FAILED = 5
 EXIT_MISSING_DEPENDENCY = 6
+EXIT_BAD_QUALITY_TABLE = 7
 
 _PARAM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Example models for the "would choose" table when --params is not given: sizes one fine-tunes on such a machine.
@@ -76,6 +93,30 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _ratio_bound(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return value
+
+
+def _loss_budget(text: str) -> float:
+    value = _positive(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (1 is AdamW's loss): {text!r}")
+    return value
+
+
+def _interval(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m zenflow_triton.autotune",
@@ -83,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "profile, and show the topk_ratio / update_interval it would choose.",
         epilog=f"The profile goes to ${ENV_VAR} if set, else the per-user cache folder. Exit codes: 0 ok, "
                "2 usage, 3 measurement failed, 4 no usable profile, 5 write failed, 6 missing optional "
-               "dependency (matplotlib for --plot).",
+               "dependency (matplotlib for --plot), 7 unreadable quality table.",
     )
     parser.add_argument("--quick", action="store_true", help="a few seconds of measuring instead of a full run")
     out = parser.add_mutually_exclusive_group()
@@ -105,10 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
                             help="device memory (GiB) the optimizer's device state may use (default: "
                                  f"{MEMORY_BUDGET_FRACTION * 100:.0f}%% of free memory less the model's weights "
                                  "and grads)")
+    plan_group.add_argument("--max-loss-ratio", type=_loss_budget, default=DEFAULT_MAX_LOSS_RATIO, metavar="X",
+                            help="quality budget: largest predicted held-out loss over AdamW's at equal steps "
+                                 "(default %(default)s); raise it to trade quality for speed")
+    plan_group.add_argument("--max-update-interval", type=_interval, default=Targets().max_update_interval,
+                            metavar="U", help="never choose a longer window (default %(default)s; the quality "
+                                              "table's range limits it further)")
+    plan_group.add_argument("--min-topk-ratio", type=_ratio_bound, default=None, metavar="R",
+                            help="never choose a smaller ratio (default: the quality table's smallest)")
+    plan_group.add_argument("--quality-table", metavar="PATH",
+                            help=f"loss ratios vs AdamW measured on your task (JSON; format: "
+                                 f"zenflow_triton.autotune.quality; default ${QUALITY_ENV_VAR}, else the shipped "
+                                 "table of the demo's fine-tune)")
     plan_group.add_argument("--target-stall", type=_fraction, default=Targets().stall_fraction, metavar="F",
-                            help="acceptable stall as a fraction of the step time (default %(default)s)")
+                            help="stall, as a fraction of the step time, up to which host work counts as hidden "
+                                 "(default %(default)s)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
-                        help="PNG of the predicted stall over a (update_interval, topk_ratio) grid (matplotlib)")
+                        help="PNG of the predicted step time over (update_interval, topk_ratio), with the region "
+                             "within the loss budget and the choice marked (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON (profile and plans) instead of the table")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     adv = parser.add_argument_group("advanced (smaller measurements)")
@@ -140,8 +195,14 @@ def _workload(profile: Profile, args: argparse.Namespace, params: float, step_ti
                     grad_dtype=args.grad_dtype, device=kind, memory_budget_bytes=budget)
 
 
-def _plans(profile: Profile, args: argparse.Namespace) -> list[tuple[Workload, Plan]]:
-    targets = Targets(stall_fraction=args.target_stall, select_windows=DEFAULT_SELECT_WINDOWS)
+def _targets(args: argparse.Namespace) -> Targets:
+    return Targets(max_loss_ratio=args.max_loss_ratio, stall_fraction=args.target_stall,
+                   max_update_interval=args.max_update_interval, min_topk_ratio=args.min_topk_ratio or 0.0,
+                   select_windows=DEFAULT_SELECT_WINDOWS)
+
+
+def _plans(profile: Profile, args: argparse.Namespace, quality: QualityTable) -> list[tuple[Workload, Plan]]:
+    targets = _targets(args)
     if args.params is not None:
         models = [(float(args.params), float(args.step_time))]
     else:
@@ -150,7 +211,7 @@ def _plans(profile: Profile, args: argparse.Namespace) -> list[tuple[Workload, P
     out = []
     for params, step_time in models:
         w = _workload(profile, args, params, step_time)
-        out.append((w, plan(profile, w, targets=targets)))
+        out.append((w, plan(profile, w, targets=targets, quality=quality)))
     return out
 
 
@@ -169,18 +230,16 @@ def _size(n: float) -> str:
     return f"{n / 1024:.4g} KiB"
 
 
-def _time(x: float) -> str:
-    return f"{x:.2f} s" if x >= 1 else (f"{x * 1e3:.1f} ms" if x >= 1e-3 else f"{x * 1e6:.0f} us")
+_time = format_seconds
+_count_str = format_count
 
 
-def _count_str(n: float) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= 0.9995 * div:  # 999.9M prints as 1B, not 1e+03M
-            return f"{n / div:.3g}{suffix}"
-    return f"{n:.0f}"
+def _loss(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.3f}"
 
 
-def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | None, single: bool) -> str:
+def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | None, single: bool,
+            quality: QualityTable) -> str:
     lines: list[str] = []
     add = lines.append
     total = profile.durations.get("total")
@@ -220,53 +279,93 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
     if saved is not None:
         add(f"  profile written to {saved}")
         add("")
+    add(quality.render())
+    add("")
     kind = plans[0][0].device
+    quality_source = plans[0][1].quality_source
+    budget = plans[0][1].max_loss_ratio
     add(f"would choose ({'CUDA tensors' if kind == 'cuda' else 'CPU tensors: copies are host memcpy, no PCIe'}"
-        f"{'' if single else '; example models, pass --params and --step-time for yours'}):")
-    header = (f"    {'params':>8} {'step':>9} {'U':>4} {'topk_ratio':>10} {'threads':>7} {'host/window':>12} "
-              f"{'stall/step':>11} {'of step':>8} {'device mem':>11}")
-    add(header)
+        f"{'' if single else '; example models, pass --params and --step-time for yours'}), fastest within the "
+        f"loss budget {budget:g}x AdamW ({quality_source}):")
+    add(f"    {'params':>8} {'step':>9} {'topk_ratio':>10} {'U':>3} {'threads':>7} {'loss ratio':>10} "
+        f"{'pred step':>10} {'stall/window':>12} {'stall':>6} {'device mem':>11}")
     for w, p in plans:
-        pr = p.prediction
-        add(f"    {_count_str(w.numel):>8} {_time(w.step_time_s):>9} {p.update_interval:>4} {p.topk_ratio:>10.3g} "
-            f"{p.cpu_threads:>7} {_time(p.predicted_host_s):>12} {_time(pr.stall_s / p.update_interval):>11} "
-            f"{pr.stall_fraction:>8.1%} {_size(pr.device_bytes):>11}" + ("" if p.target_met else "  (target missed)"))
+        s = p.summary()
+        flags = ([] if s["loss_budget_met"] else ["loss budget missed"]) + (
+            [] if s["hides_host_work"] else ["host work not hidden"])
+        add(f"    {_count_str(w.numel):>8} {_time(w.step_time_s):>9} {s['topk_ratio']:>10.3g} "
+            f"{s['update_interval']:>3} {s['cpu_threads']:>7} {_loss(s['predicted_loss_ratio']):>10} "
+            f"{_time(s['predicted_time_per_step_s']):>10} {_time(s['predicted_stall_per_window_s']):>12} "
+            f"{s['predicted_stall_fraction']:>6.1%} {_size(p.prediction.device_bytes):>11}"
+            + (f"  ({'; '.join(flags)})" if flags else ""))
+    add("    pred step = model step + device-side optimizer + stall per step; stall = waiting on the host job plus "
+        "copies not hidden")
     if single:
         add("")
-        add("  why: " + plans[0][1].reason)
+        add("  why:")
+        lines.extend("    " + line for line in plans[0][1].reason.splitlines())
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ plot
 
 
-def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, target: float) -> None:
+def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, quality: QualityTable,
+          targets: Targets) -> None:
+    """Predicted step time over (U, r), the region within the loss budget, the stall target and the choice."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    us = list(range(1, max(32, 2 * chosen.update_interval) + 1))  # the chosen U always inside, with room past it
-    r_top = max(0.5, min(1.0, 2 * chosen.topk_ratio))
-    rs = [r_top * i / 20 for i in range(21)]
-    grid = stall_grid(profile, workload, update_intervals=us, topk_ratios=rs, cpu_threads=chosen.cpu_threads,
-                      select_windows=DEFAULT_SELECT_WINDOWS)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    pct = [[100 * v for v in row] for row in grid]
-    top = max(10.0, min(100.0, max(map(max, pct))))
-    mesh = ax.pcolormesh(us, rs, pct, shading="nearest", cmap="viridis", vmin=0, vmax=top)
-    fig.colorbar(mesh, ax=ax, label="predicted stall, % of step time")
-    try:
-        ax.contour(us, rs, pct, levels=[100 * target], colors="white", linewidths=1)
-    except ValueError:  # a flat grid has no contour
-        pass
-    ax.plot([chosen.update_interval], [chosen.topk_ratio], marker="*", color="red", markersize=14, label="chosen")
+    u_top = max(quality.update_intervals[-1], chosen.update_interval)
+    us = list(range(1, u_top + 1))
+    r_low = min(quality.topk_ratios[0], chosen.topk_ratio) if chosen.topk_ratio > 0 else quality.topk_ratios[0]
+    rs = [float(x) for x in np.geomspace(r_low, 1.0, 25)]
+    step = np.empty((len(rs), len(us)))
+    stall = np.empty_like(step)
+    loss = np.full_like(step, np.nan)
+    for i, r in enumerate(rs):
+        for j, u in enumerate(us):
+            pr = predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=chosen.cpu_threads,
+                         select_windows=targets.select_windows)
+            step[i, j] = pr.step_s / workload.step_time_s
+            stall[i, j] = pr.stall_fraction
+            q = quality.predict(r, u)
+            loss[i, j] = np.nan if q is None else q
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=110)
+    mesh = ax.pcolormesh(us, rs, step, shading="nearest", cmap="viridis_r")
+    fig.colorbar(mesh, ax=ax, label="predicted step time / model step time")
+    # Outside the budget (or outside the quality table's range): greyed out, so the feasible region stands out.
+    outside = np.where(np.isnan(loss) | (loss > chosen.max_loss_ratio), 1.0, np.nan)
+    ax.pcolormesh(us, rs, outside, shading="nearest", cmap="Greys", vmin=0, vmax=1.6, alpha=0.75)
+    handles = []
+    for field, level, style, label in ((loss, chosen.max_loss_ratio, "-", f"loss ratio {chosen.max_loss_ratio:g}"),
+                                       (stall, targets.stall_fraction, "--",
+                                        f"stall {targets.stall_fraction:.0%} of step")):
+        try:
+            cs = ax.contour(us, rs, np.nan_to_num(field, nan=np.inf) if field is loss else field, levels=[level],
+                            colors="white", linestyles=style, linewidths=1.2)
+            handles.append((cs.legend_elements()[0][0], label))
+        except (ValueError, IndexError):  # no contour on a flat grid
+            pass
+    star = ax.plot([chosen.update_interval], [chosen.topk_ratio], marker="*", color="red", markersize=15,
+                   linestyle="none")[0]
+    handles.append((star, "chosen"))
+    ax.legend([h for h, _ in handles], [lbl for _, lbl in handles], loc="lower right", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("update_interval U (steps)")
     ax.set_ylabel("topk_ratio r")
-    ax.set_title(f"{_count_str(workload.numel)} params, step {_time(workload.step_time_s)}, "
-                 f"{workload.device} tensors, {chosen.cpu_threads} host threads\n"
-                 f"white line: the {target:.0%} stall target", fontsize=10)
-    ax.legend(loc="upper right")
+    loss_text = "unknown" if chosen.predicted_loss_ratio is None else f"{chosen.predicted_loss_ratio:.3f}"
+    plural = "" if chosen.cpu_threads == 1 else "s"
+    ax.set_title(f"{_count_str(workload.numel)} params, model step {_time(workload.step_time_s)}, "
+                 f"{workload.device} tensors, {chosen.cpu_threads} host thread{plural}; grey: loss ratio over "
+                 f"{chosen.max_loss_ratio:g} or unmeasured\n"
+                 f"chosen r={chosen.topk_ratio:g}, U={chosen.update_interval}: "
+                 f"loss {loss_text}x AdamW, step {_time(chosen.predicted_step_s)}, stall "
+                 f"{chosen.prediction.stall_fraction:.1%}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
@@ -288,6 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             _err("--plot needs matplotlib: pip install 'zenflow_triton[plot]'")
             return EXIT_MISSING_DEPENDENCY
+
+    try:
+        quality = quality_table_for(args.quality_table)
+    except QualityTableError as exc:
+        _err(str(exc))
+        return EXIT_BAD_QUALITY_TABLE
 
     def progress(msg: str) -> None:
         if not args.quiet:
@@ -315,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"measured in {time.perf_counter() - started:.1f} s")
 
     try:
-        plans = _plans(profile, args)
+        plans = _plans(profile, args, quality)
     except ProfileError as exc:
         _err(str(exc))
         return EXIT_NO_PROFILE
@@ -337,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The plot needs one model: the one given, else the middle example.
         workload, chosen = plans[0] if single else plans[len(plans) // 2]
         try:
-            _plot(args.plot, profile, workload, chosen, args.target_stall)
+            _plot(args.plot, profile, workload, chosen, quality, _targets(args))
         except OSError as exc:
             _err(f"cannot write the plot to {args.plot}: {exc.strerror or exc}")
             return EXIT_WRITE_FAILED
@@ -347,12 +452,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "profile_path": None if saved is None else str(saved),
             "profile": profile.to_dict(),
+            "quality_table": {"source": quality.source, "task": quality.task, "command": quality.command},
             "plans": [dict(p.to_dict(), params=w.numel, step_time_s=w.step_time_s, device=w.device)
                       for w, p in plans],
         }
         print(json.dumps(doc, indent=2))
     else:
-        print(_render(profile, plans, saved, single))
+        print(_render(profile, plans, saved, single, quality))
     return EXIT_OK
 
 

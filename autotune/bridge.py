@@ -1,26 +1,34 @@
 """The optimizer's way into the autotuner: :func:`plan_for_optimizer`, what ``ZenFlowAdamW``'s ``"auto"`` calls.
 
 It finds this machine's profile (``$ZENFLOW_TRITON_PROFILE``, else the per-user cache, else a quick probe once
-per process), sets the device-memory budget from the memory free now, and asks the cost model (:mod:`.model`)
-for a plan, passing the optimizer's defaults from :mod:`zenflow_triton.config`. The autotuner never imports the
+per process) and the quality table (``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped one), sets the
+device-memory budget from the memory free now, and asks the cost model (:mod:`.model`) for a plan, passing the
+optimizer's defaults from :mod:`zenflow_triton.config`. The autotuner never imports the
 optimizer: the optimizer calls this function with plain values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
 
 from .cache import ProfileError, default_profile_path, find_profile
 from .machine import current_machine_key
-from .model import GRAD_BYTES, Plan, Targets, Workload, plan
+from .model import DEFAULT_MAX_LOSS_RATIO, GRAD_BYTES, Plan, Targets, Workload, plan
 from .profile import Profile
+from .quality import QualityTable, default_quality_table, load_quality_table
 
-__all__ = ["MEMORY_BUDGET_FRACTION", "plan_for_optimizer"]
+__all__ = ["MEMORY_BUDGET_FRACTION", "QUALITY_ENV_VAR", "plan_for_optimizer", "quality_table_for"]
+
+# Names a quality table measured on the user's own task (format: .quality), for "auto" as for the CLI.
+QUALITY_ENV_VAR = "ZENFLOW_TRITON_QUALITY_TABLE"
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -64,6 +72,15 @@ def _profile_for(device_type: str) -> tuple[Profile, str]:
     return profile, "quick probe (this process)"
 
 
+def quality_table_for(path: str | Path | None = None) -> QualityTable:
+    """The quality table at ``path``, else the one ``$ZENFLOW_TRITON_QUALITY_TABLE`` names, else the shipped one.
+
+    Raises :class:`~zenflow_triton.autotune.quality.QualityTableError` for a table that cannot be read.
+    """
+    path = path or os.environ.get(QUALITY_ENV_VAR) or None
+    return default_quality_table() if path is None else load_quality_table(path)
+
+
 def _dtype_bytes(param_dtype: Any) -> int:
     size = getattr(param_dtype, "itemsize", None)
     if size not in (2, 4):
@@ -85,6 +102,8 @@ def plan_for_optimizer(
     cpu_threads: int | None = None,
     profile: Profile | None = None,
     targets: Targets | None = None,
+    max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO,
+    quality: QualityTable | str | Path | None = None,
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
 
@@ -93,8 +112,10 @@ def plan_for_optimizer(
     loop), e.g. the median over the warm-up; ``device``: the parameters' torch device. ``topk_ratio`` /
     ``update_interval``: the user's fixed values, or None to choose. ``select_interval`` (None: the config's
     ``DEFAULT_SELECT_WINDOWS`` windows), ``overlap`` and ``cpu_threads`` (None: choose) refine the prediction
-    when the user set them. ``targets``: the chooser's goals (None: :class:`Targets` with the config's
-    ``DEFAULT_SELECT_WINDOWS``).
+    when the user set them. ``targets``: the chooser's goals and bounds (None: :class:`Targets` with the config's
+    ``DEFAULT_SELECT_WINDOWS``); ``max_loss_ratio``, the quality budget (predicted held-out loss over AdamW's at
+    equal steps), replaces ``targets.max_loss_ratio``. ``quality``: a quality table or its path (None:
+    ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table).
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
@@ -129,8 +150,12 @@ def plan_for_optimizer(
                         grad_dtype=grad_dtype, device=kind, memory_budget_bytes=budget)
     if targets is None:
         targets = Targets(select_windows=DEFAULT_SELECT_WINDOWS)
+    targets = dataclasses.replace(targets, max_loss_ratio=max_loss_ratio)
+    table = quality if isinstance(quality, QualityTable) else quality_table_for(quality)
     result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
                   cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
-                  profile_source=source)
-    logger.debug("zenflow_triton autotune plan (%s): %s", source, result.reason)
+                  quality=table, profile_source=source,
+                  relax_hint="fix topk_ratio and update_interval yourself to trade quality for speed "
+                             "(`python -m zenflow_triton.autotune --max-loss-ratio` shows the trade)")
+    logger.debug("zenflow_triton autotune plan (%s):\n%s", source, result.reason)
     return result

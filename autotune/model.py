@@ -17,18 +17,21 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 - ``copy_s``: copy time on the training side that nothing hides: on CUDA the H2D (it runs on the compute
   stream before the merge) and whatever of the D2H outlasts one step (the next fused kernel overwrites
   ``acc``); on CPU tensors both copies (the training thread makes them);
-- ``stall_s = wait_s + copy_s``; the *stall fraction* is ``stall_s / (U * T)``;
+- ``stall_s = wait_s + copy_s``: all the time a window loses to host-side work; the *stall fraction* is
+  ``stall_s / (U * T)``;
 - device memory for the optimizer's device state: ``P * (acc_bytes + 12 * r)``;
 - device optimizer time per step: ``P / pass_rate + r * P / adam_rate`` (the fused pass over every gradient,
-  plus Adam on the selected columns).
+  plus Adam on the selected columns);
+- the time per training step: ``step_s = T + dev_s + stall_s / U`` (what the chooser minimises).
 
-:func:`plan` picks ``topk_ratio`` first as the largest ratio that fits the device-memory budget and keeps
-the device-side Adam under a fraction of the step time (neither depends on ``U``), then the smallest
-``update_interval`` whose stall fraction is under the target, and the host thread count with the best
-measured rate that leaves one core to the training process.
+:func:`plan` weighs speed against quality: the predicted time per training step
+(``step_s = T + dev_s + stall_s / U``) against the predicted loss ratio vs AdamW from a measured quality table
+(:mod:`.quality`). Among the ``(r, U)`` within the loss budget (``Targets.max_loss_ratio``), the device-memory
+budget and the user's bounds, it takes the fastest, ties within ``Targets.speed_tolerance`` going to the lower
+loss; then the host thread count with the best measured rate that leaves one core to the training process.
 
-The module is pure: it imports only :mod:`.profile`, never the optimizer's package. What it needs from the
-optimizer's configuration (the number of windows between reselections) comes in as an argument
+The module is pure: it imports only :mod:`.profile` and :mod:`.quality`, never the optimizer's package. What
+it needs from the optimizer's configuration (the number of windows between reselections) comes in as an argument
 (``Targets.select_windows``, ``select_windows=``).
 """
 
@@ -41,12 +44,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
+from .quality import QualityTable, default_quality_table
 
 __all__ = [
     "ACC_BYTES",
     "GRAD_BYTES",
     "STATE_BYTES",
     "DEFAULT_SELECT_WINDOWS",
+    "DEFAULT_MAX_LOSS_RATIO",
     "Workload",
     "Targets",
     "Prediction",
@@ -56,6 +61,8 @@ __all__ = [
     "plan",
     "choose_threads",
     "stall_grid",
+    "format_count",
+    "format_seconds",
 ]
 
 # Bytes per element of the landing buffer on the host, by ZenFlowConfig.grad_dtype.
@@ -76,6 +83,15 @@ _ADAM_BYTES_FIXED = 2 * STATE_BYTES
 # the bare model; tests/test_autotune_model.py checks that it agrees with the config's.
 DEFAULT_SELECT_WINDOWS = 8
 
+# The loss budget: predicted held-out loss at most 5% above AdamW's at equal steps. On the shipped table the demo's
+# fixed topk_ratio=0.1, update_interval=4 lands at about 1.04, so the default allows what the project already
+# recommends and rules out the long windows and tiny ratios a speed-only choice drifts to (U=62, r=0.0015).
+DEFAULT_MAX_LOSS_RATIO = 1.05
+
+# Candidate ratios besides the quality table's own: two significant digits, 1.3-1.5x apart, so a choice can land
+# between measured ratios without claiming a precision the table does not have.
+_RATIO_STEPS = (0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+
 DeviceKind = Literal["cuda", "cpu"]
 
 
@@ -86,16 +102,15 @@ def shapes_for_param_count(num_params: int, *, block: tuple[int, int] = (4096, 4
     """Offloaded shapes for a model known only by its parameter count: ``block``-sized matrices plus a remainder.
 
     The shapes matter only through per-copy sizes and per-call overheads; 4096x4096 is a typical
-    projection of a 7B-class model.
+    projection of a 7B-class model. The shapes hold exactly ``num_params`` elements (the remainder is a
+    ``[q, cols]`` block and one ``[1, rest]`` row), so the count a user gives is the count every output prints.
     """
     if num_params < 1:
         raise ValueError(f"Invalid parameter count: {num_params}")
     rows, cols = block
-    per = rows * cols
-    full, rest = divmod(int(num_params), per)
-    shapes = [(rows, cols)] * full
-    if rest:
-        shapes.append((max(1, rest // cols), cols) if rest >= cols else (1, rest))
+    full, rest = divmod(int(num_params), rows * cols)
+    q, rem = divmod(rest, cols)
+    shapes = [(rows, cols)] * full + ([(q, cols)] if q else []) + ([(1, rem)] if rem else [])
     return tuple(shapes)
 
 
@@ -138,23 +153,32 @@ class Workload:
 
 @dataclass(frozen=True)
 class Targets:
-    """The chooser's goals."""
+    """The chooser's goals and the user's bounds."""
 
+    max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO
+    """Quality budget: largest predicted held-out loss over AdamW's at equal steps (1 is AdamW itself)."""
     stall_fraction: float = 0.05
-    """Largest acceptable stall per step, as a fraction of the step time."""
-    device_fraction: float = 0.05
-    """Largest acceptable device-side Adam time on the selected columns, as a fraction of the step time."""
+    """Stall per step, as a fraction of the step time, up to which the host work counts as hidden."""
     max_update_interval: int = 64
-    """Largest U considered: longer windows mean staler host updates."""
+    """Largest U considered; the quality table's measured range limits it further."""
+    min_topk_ratio: float = 0.0
+    """Smallest r considered; the quality table's measured range limits it further."""
+    speed_tolerance: float = 0.01
+    """Predicted step times within this fraction of the fastest feasible one count as equal, and the lowest
+    predicted loss among them wins: a step 0.5% faster is not worth a worse model."""
     select_windows: int = DEFAULT_SELECT_WINDOWS
     """Windows between reselections when select_interval is not fixed; planning for the optimizer passes
     ``zenflow_triton.config.DEFAULT_SELECT_WINDOWS``."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_loss_ratio) and self.max_loss_ratio >= 1.0):
+            raise ValueError(f"Invalid max_loss_ratio: {self.max_loss_ratio!r} (>= 1; 1 is AdamW)")
         if not 0 < self.stall_fraction < 1:
             raise ValueError(f"Invalid stall_fraction target: {self.stall_fraction!r}")
-        if not 0 < self.device_fraction <= 1:
-            raise ValueError(f"Invalid device_fraction target: {self.device_fraction!r}")
+        if not 0 <= self.min_topk_ratio <= 1:
+            raise ValueError(f"Invalid min_topk_ratio: {self.min_topk_ratio!r} (in [0, 1])")
+        if not 0 <= self.speed_tolerance < 1:
+            raise ValueError(f"Invalid speed_tolerance: {self.speed_tolerance!r}")
         if self.max_update_interval < 1 or self.select_windows < 1:
             raise ValueError("max_update_interval and select_windows must be >= 1")
 
@@ -189,9 +213,15 @@ class Prediction:
         """Stall per step over the step time."""
         return self.stall_s / (self.update_interval * self.step_time_s)
 
+    @property
+    def step_s(self) -> float:
+        """Predicted time per training step: the model's step, the device-side optimizer, the stall per step."""
+        return self.step_time_s + self.device_step_s + self.stall_s / self.update_interval
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["stall_fraction"] = self.stall_fraction
+        d["step_s"] = self.step_s
         return d
 
 
@@ -318,33 +348,78 @@ def predict(
 
 @dataclass(frozen=True)
 class Plan:
-    """The chosen settings, their predicted costs and why they were chosen.
+    """The chosen settings, their predicted cost and quality, and why they were chosen.
 
-    ``predicted_stall_s`` is what the optimizer's ``stats()`` measures as stall (time ``step()`` waits on the
-    host job, per window, selection flushes included); ``predicted_copy_s`` is the copy time per window on top.
+    Per window of ``update_interval`` steps: ``predicted_stall_s`` is all the time the window loses to host-side
+    work, ``predicted_wait_s`` (``step()`` waiting on the host job, selection flushes included: what ``stats()``
+    measures as ``measured_stall_per_window_s``) plus ``predicted_copy_s`` (copies and the merge that nothing
+    hides; ``stats()`` counts them in ``device_opt_s``). :meth:`summary` is what every output shows.
     """
 
     topk_ratio: float
     update_interval: int
     cpu_threads: int
     grad_dtype: str
+    predicted_loss_ratio: float | None
+    """Held-out loss over AdamW's at equal steps, from the quality table; None outside its measured range."""
+    max_loss_ratio: float
+    loss_budget_met: bool
+    hides_host_work: bool
+    """Predicted stall at most ``Targets.stall_fraction`` of the step time."""
+    predicted_step_s: float
+    """Predicted time per training step: the model's step time, the device-side optimizer and the stall."""
     predicted_stall_s: float
-    predicted_host_s: float
+    predicted_wait_s: float
     predicted_copy_s: float
+    predicted_host_s: float
     reason: str
+    """A few short lines, separated by newlines."""
     prediction: Prediction
-    target_met: bool
     profile_source: str = ""
+    quality_source: str = ""
+    predicted_loss_spread: tuple[float, float] | None = None
+    """(min, max) of the loss ratio over the quality table's seeds, interpolated like the ratio."""
 
     def config_fields(self) -> dict[str, Any]:
         """The choice as ZenFlowConfig fields: ``config.replace(**plan.config_fields())``."""
         return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval,
                 "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype}
 
+    def summary(self) -> dict[str, Any]:
+        """The plan as every output carries it, under the same names: the CLI's table and ``--json``, the plot and
+        ``ZenFlowAdamW.stats()`` (which names ``reason`` ``auto_reason``). Times per window unless named per step."""
+        p = self.prediction
+        return {
+            "topk_ratio": self.topk_ratio,
+            "update_interval": self.update_interval,
+            "select_interval": p.select_interval,
+            "cpu_threads": self.cpu_threads,
+            "predicted_loss_ratio": self.predicted_loss_ratio,
+            "max_loss_ratio": self.max_loss_ratio,
+            "loss_budget_met": self.loss_budget_met,
+            "predicted_time_per_step_s": self.predicted_step_s,
+            "predicted_stall_fraction": p.stall_fraction,
+            "hides_host_work": self.hides_host_work,
+            "predicted_stall_per_window_s": self.predicted_stall_s,
+            "predicted_wait_per_window_s": self.predicted_wait_s,
+            "predicted_copy_per_window_s": self.predicted_copy_s,
+            "predicted_host_per_window_s": self.predicted_host_s,
+            "quality_table": self.quality_source,
+            "reason": self.reason,
+        }
+
+    def headline(self) -> str:
+        """One line: the choice and its predicted quality and speed (what ``"auto"`` logs)."""
+        loss = "unknown" if self.predicted_loss_ratio is None else f"{self.predicted_loss_ratio:.3f}x AdamW"
+        return (f"topk_ratio={self.topk_ratio:g} update_interval={self.update_interval} "
+                f"cpu_threads={self.cpu_threads}: predicted loss {loss} (budget {self.max_loss_ratio:g}), "
+                f"step {format_seconds(self.predicted_step_s)}, stall {self.prediction.stall_fraction:.1%}"
+                + ("" if self.hides_host_work else " (host work not hidden)"))
+
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "prediction"}
-        d["prediction"] = self.prediction.to_dict()
-        return d
+        return {**self.summary(), "grad_dtype": self.grad_dtype, "profile_source": self.profile_source,
+                "predicted_loss_spread": None if self.predicted_loss_spread is None
+                else list(self.predicted_loss_spread), "prediction": self.prediction.to_dict()}
 
 
 def choose_threads(profile: Profile, grad_dtype: str) -> int:
@@ -367,35 +442,59 @@ def _floor_2sig(x: float) -> float:
     return math.floor(round(x / scale, 9)) * scale if x < 1 else 1.0
 
 
-def _fmt_s(x: float) -> str:
+def format_seconds(x: float) -> str:
+    """``0.5`` -> ``500 ms``: seconds in the unit a person reads."""
     if x >= 1:
         return f"{x:.2f} s"
     if x >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} us"
+        return f"{x * 1e3:.3g} ms"
+    if x > 0:
+        return f"{x * 1e6:.3g} us"
+    return "0 s"
 
 
-def _fmt_bytes(x: float) -> str:
+def format_count(n: float) -> str:
+    """``421_000`` -> ``421k``, ``1.25e8`` -> ``125M``, ``7e9`` -> ``7B``: three significant digits at most."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= 0.9995 * div:  # 999.9M prints as 1B, not 1e+03M
+            return f"{n / div:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def format_bytes(x: float) -> str:
     return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
-def _largest_ratio(profile: Profile, workload: Workload, targets: Targets) -> tuple[float, str]:
-    p = workload.numel
-    rates = _device_rates(profile, workload)
-    limits: list[tuple[float, str]] = [(1.0, "every column fits on the device")]
-    dev_limit = targets.device_fraction * workload.step_time_s * rates.adam_rate / p
-    limits.append((dev_limit, f"device-side Adam under {targets.device_fraction:.0%} of the step time "
-                              f"({rates.adam_rate:.3g} params/s, {rates.source})"))
+def _memory_limit(workload: Workload) -> tuple[float | None, str]:
+    """The largest ratio whose device state fits the memory budget (None: no budget), and its explanation."""
     budget = workload.memory_budget_bytes
-    if budget is not None:
-        mem_limit = (budget / p - ACC_BYTES) / STATE_BYTES
-        limits.append((mem_limit, f"device memory budget {_fmt_bytes(budget)} "
-                                  f"({ACC_BYTES} B acc + {STATE_BYTES} B per selected element)"))
-    limit, why = min(limits, key=lambda x: x[0])
+    if budget is None:
+        return None, ""
+    p = workload.numel
+    limit = (budget / p - ACC_BYTES) / STATE_BYTES
     if limit < 0:
-        return 0.0, (f"the device memory budget ({_fmt_bytes(budget or 0)}) cannot even hold the fp32 "
-                     f"accumulator ({_fmt_bytes(p * ACC_BYTES)}); expect out-of-memory")
-    return _floor_2sig(min(1.0, limit)), why
+        return -1.0, (f"the device memory budget ({format_bytes(budget)}) cannot even hold the fp32 accumulator "
+                      f"({format_bytes(p * ACC_BYTES)}); expect out-of-memory")
+    return _floor_2sig(min(1.0, limit)), (f"device memory budget {format_bytes(budget)} ({ACC_BYTES} B acc + "
+                                          f"{STATE_BYTES} B per selected element)")
+
+
+@dataclass(frozen=True)
+class _Point:
+    pred: Prediction
+    loss: float | None
+
+    @property
+    def step_s(self) -> float:
+        return self.pred.step_s
+
+    def key(self) -> tuple[float, float, int, float]:
+        """Quality first, then speed, then the shorter window and the larger ratio (fresher updates)."""
+        return (math.inf if self.loss is None else self.loss, self.step_s, self.pred.update_interval,
+                -self.pred.topk_ratio)
+
+    def where(self) -> str:
+        return f"topk_ratio={self.pred.topk_ratio:g}, update_interval={self.pred.update_interval}"
 
 
 def plan(
@@ -408,74 +507,141 @@ def plan(
     select_interval: int | None = None,
     overlap: bool = True,
     targets: Targets | None = None,
+    quality: QualityTable | None = None,
     profile_source: str = "",
+    relax_hint: str = "raise --max-loss-ratio to trade quality for speed",
 ) -> Plan:
     """Choose the settings the caller left as None; predict and explain the result.
 
-    Rule: ``topk_ratio`` = the largest ratio (two significant digits, at most 1) that fits
-    ``workload.memory_budget_bytes`` and keeps the device-side Adam under ``targets.device_fraction`` of the
-    step time; ``update_interval`` = the smallest U (a divisor of ``select_interval`` when that is fixed) whose
-    stall fraction is at most ``targets.stall_fraction``, else the U with the least stall; ``cpu_threads`` =
-    :func:`choose_threads`.
+    Rule: among the ``(r, U)`` whose predicted loss ratio (``quality``, default the shipped table) is within
+    ``targets.max_loss_ratio``, that fit ``workload.memory_budget_bytes`` and the bounds
+    (``targets.min_topk_ratio``, ``targets.max_update_interval``; ``U`` a divisor of ``select_interval`` when that
+    is fixed), take those whose predicted step time (:attr:`Prediction.step_s`) is within
+    ``targets.speed_tolerance`` of the fastest, and of these the lowest predicted loss ratio. Settings outside the
+    quality table's measured range are never chosen while one inside exists. When nothing meets the budget, the
+    lowest predicted loss ratio is chosen and the plan says so (``loss_budget_met`` False); when the choice leaves
+    the host work exposed, the reason says how much stall to expect and whether a looser budget would hide it
+    (``relax_hint`` is how to loosen it). ``cpu_threads`` = :func:`choose_threads`.
     """
     targets = targets or Targets()
-    parts: list[str] = []
+    table = quality if quality is not None else default_quality_table()
     threads = cpu_threads if cpu_threads is not None else choose_threads(profile, workload.grad_dtype)
-    if topk_ratio is None:
-        r, why = _largest_ratio(profile, workload, targets)
-        parts.append(f"topk_ratio={r:g}: the largest ratio within {why}")
+    notes: list[str] = []
+
+    r_mem, mem_why = _memory_limit(workload)
+    if topk_ratio is not None:
+        ratios = [float(topk_ratio)]
+    elif r_mem is not None and r_mem < 0:
+        ratios = [0.0]
+        notes.append(mem_why)
     else:
-        r = float(topk_ratio)
-        parts.append(f"topk_ratio={r:g}: fixed by the caller")
+        hi = 1.0 if r_mem is None else r_mem
+        lo = targets.min_topk_ratio
+        ratios = sorted({r for r in (*_RATIO_STEPS, *table.topk_ratios, lo, hi) if lo <= r <= hi})
+        if not ratios:
+            ratios = [hi]
+            notes.append(f"min_topk_ratio={lo:g} does not fit the {mem_why}: topk_ratio={hi:g}")
+        elif hi < 1.0:
+            notes.append(f"topk_ratio at most {hi:g}: the {mem_why}")
+    if update_interval is not None:
+        intervals = [int(update_interval)]
+    else:
+        intervals = [u for u in range(1, targets.max_update_interval + 1)
+                     if select_interval is None or select_interval % u == 0] or [1]
 
-    def at(u: int) -> Prediction:
-        return predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=threads,
-                       select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows)
+    points = [
+        _Point(pred, table.predict(r, u) if r > 0 else None)
+        for r in ratios for u in intervals
+        for pred in [predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=threads,
+                             select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows)]
+    ]
+    budget = targets.max_loss_ratio
+    known = [p for p in points if p.loss is not None]
+    feasible = [p for p in known if p.loss <= budget + 1e-12]
+    fixed = [name for name, v in (("topk_ratio", topk_ratio), ("update_interval", update_interval)) if v is not None]
+    fixed_note = f" ({' and '.join(fixed)} fixed by the caller)" if fixed else ""
+    def hidden(p: _Point) -> bool:
+        return p.pred.stall_fraction <= targets.stall_fraction
 
-    if update_interval is None:
-        candidates = [u for u in range(1, targets.max_update_interval + 1)
-                      if select_interval is None or select_interval % u == 0] or [1]
-        pred = next((p for p in map(at, candidates) if p.stall_fraction <= targets.stall_fraction), None)
-        if pred is not None:
-            parts.append(f"update_interval={pred.update_interval}: the smallest U with predicted stall at most "
-                         f"{targets.stall_fraction:.0%} of the step time")
+    if feasible:
+        fastest = min(p.step_s for p in feasible)
+        # Ties within the tolerance go to a setting that hides the host work, then to the lower loss.
+        chosen = min((p for p in feasible if p.step_s <= fastest * (1 + targets.speed_tolerance)),
+                     key=lambda p: (not hidden(p), *p.key()))
+        first = (f"{chosen.where()}: predicted loss {chosen.loss:.3f}x AdamW, within the budget {budget:g}; the "
+                 f"fastest such setting (ties within {targets.speed_tolerance:.0%} go to the lower loss){fixed_note}")
+    elif known:
+        chosen = min(known, key=_Point.key)
+        first = (f"{chosen.where()}: no setting within the bounds meets the loss budget {budget:g}; this one has the "
+                 f"lowest predicted loss, {chosen.loss:.3f}x AdamW{fixed_note}")
+    else:
+        chosen = min(points, key=lambda p: (p.step_s, p.pred.update_interval, -p.pred.topk_ratio))
+        first = (f"{chosen.where()}: outside the quality table's measured range (r >= {table.topk_ratios[0]:g}, "
+                 f"U <= {table.update_intervals[-1]}), so its loss is unknown; the fastest setting{fixed_note}")
+    pred = chosen.pred
+    hides = hidden(chosen)
+    u, t = pred.update_interval, workload.step_time_s
+    lines = [
+        first,
+        f"predicted step {format_seconds(pred.step_s)}: {format_seconds(t)} model, "
+        f"{format_seconds(pred.device_step_s)} device-side optimizer, {format_seconds(pred.stall_s / u)} stall "
+        f"({pred.stall_fraction:.1%} of the model step)",
+        f"per {u}-step window: host AdamW {format_seconds(pred.cpu_s)} on "
+        f"{format_count((1 - pred.topk_ratio) * workload.numel)} params, {format_seconds(pred.wait_s)} waiting on it "
+        f"(a flush every {pred.select_interval} steps included), {format_seconds(pred.copy_s)} of "
+        + ("host memcpy and merge" if workload.device == "cpu" else "PCIe copies and merge") + " not hidden",
+    ]
+    if not hides:
+        stall = f"expect {pred.stall_fraction:.0%} stall"
+        tol = 1 + targets.speed_tolerance
+        faster = [p for p in known if p.loss > budget + 1e-12 and p.step_s * tol < chosen.step_s]
+        slower = [p for p in feasible if hidden(p)]
+        if faster and chosen.loss is not None:
+            # What a looser budget buys: the lowest-loss setting that hides the host work, else the fastest.
+            alt = min((p for p in faster if hidden(p)), key=_Point.key, default=None) or min(
+                faster, key=lambda p: p.step_s)
+            lines.append(f"this machine cannot hide the host work at this quality: {stall}; {relax_hint} "
+                         f"({alt.where()}: {alt.loss:.3f}x AdamW, step {format_seconds(alt.step_s)}, "
+                         f"{alt.pred.stall_fraction:.0%} stall)")
+        elif slower:
+            alt = min(slower, key=lambda p: p.step_s)
+            lines.append(f"{stall}: hiding the host work within the budget ({alt.where()}) would make the step slower, "
+                         f"{format_seconds(alt.step_s)}")
         else:
-            pred = min(map(at, candidates), key=lambda p: (p.stall_fraction, p.update_interval))
-            parts.append(f"update_interval={pred.update_interval}: no U up to {candidates[-1]} keeps the stall under "
-                         f"{targets.stall_fraction:.0%} of the step time; this U stalls least")
-    else:
-        pred = at(int(update_interval))
-        parts.append(f"update_interval={pred.update_interval}: fixed by the caller")
-
+            least = min(points, key=lambda p: p.pred.stall_fraction)
+            lines.append(f"this machine cannot hide the host work within the bounds and the quality table's range: "
+                         f"{stall} (the least: {least.pred.stall_fraction:.0%} at {least.where()})")
     rate = profile.cpu_adamw.rate(workload.grad_dtype, threads)
-    parts.append(f"cpu_threads={threads}: " + ("fixed by the caller" if cpu_threads is not None else
-                 f"the fastest measured count leaving a core to training ({rate:.3g} params/s, "
-                 f"{workload.grad_dtype} gradients, {profile.cpu_adamw.kernel} kernel)"))
-    where = ("host memcpy and merge (CPU tensors: no PCIe)" if workload.device == "cpu"
-             else "PCIe copies and merge")
-    parts.append(
-        f"per window: host AdamW {_fmt_s(pred.cpu_s)} on {(1 - r) * workload.numel:.3g} params, unhidden "
-        f"{where} {_fmt_s(pred.copy_s)}, host work hidden behind {pred.update_interval} x "
-        f"{_fmt_s(workload.step_time_s)} steps -> stall {_fmt_s(pred.stall_s)} "
-        f"({pred.stall_fraction:.1%} of step time, {_fmt_s(pred.wait_s)} waiting on the host job incl. a flush "
-        f"every {pred.select_interval} steps)"
-    )
+    lines.append(f"cpu_threads={threads}: " + ("fixed by the caller" if cpu_threads is not None else
+                 f"the fastest measured count leaving a core to training ({format_count(rate)} params/s, "
+                 f"{workload.grad_dtype} gradients)"))
+    lines.extend(notes)
+    lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
+                 "not a guarantee (pass your own table)")
     if workload.device == "cpu":
-        parts.append("CPU tensors: the training compute and the host worker share cores, which the model ignores")
+        lines.append("CPU tensors: the training compute and the host worker share cores, which the model ignores")
     if profile.quick:
-        parts.append("from a quick profile; `python -m zenflow_triton.autotune` measures a full one")
+        lines.append("from a quick profile; `python -m zenflow_triton.autotune` measures a full one")
+    spread = table.predict_spread(pred.topk_ratio, u) if pred.topk_ratio > 0 else None
     return Plan(
-        topk_ratio=r,
-        update_interval=pred.update_interval,
+        topk_ratio=pred.topk_ratio,
+        update_interval=u,
         cpu_threads=threads,
         grad_dtype=workload.grad_dtype,
-        predicted_stall_s=pred.wait_s,
-        predicted_host_s=pred.host_s,
+        predicted_loss_ratio=chosen.loss,
+        max_loss_ratio=budget,
+        loss_budget_met=chosen.loss is not None and chosen.loss <= budget + 1e-12,
+        hides_host_work=hides,
+        predicted_step_s=pred.step_s,
+        predicted_stall_s=pred.stall_s,
+        predicted_wait_s=pred.wait_s,
         predicted_copy_s=pred.copy_s,
-        reason="; ".join(parts),
+        predicted_host_s=pred.host_s,
+        reason="\n".join(lines),
         prediction=pred,
-        target_met=pred.stall_fraction <= targets.stall_fraction,
         profile_source=profile_source,
+        quality_source=table.source,
+        predicted_loss_spread=spread,
     )
 
 

@@ -316,10 +316,22 @@ def measure_host_adamw(
 
 
 def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None) -> DeviceOpRates:
-    """Rates of the device-side work on CPU tensors (the torch backend, at torch's current thread count): the
-    pass over every gradient element, the extra cost per element of Adam on selected columns (timed with none
-    and with all selected), and the merge of a host result into the unselected columns."""
-    from zenflow_triton.kernels import reference
+    """Rates of the device-side work on CPU tensors, with the ops the optimizer's default backend runs there
+    (``load_device_ops("auto", cpu)``: numba; the torch backend if numba cannot load): the pass over every
+    gradient element, the extra cost per element of Adam on selected columns (timed with none and with all
+    selected), and the merge of a host result into the unselected columns.
+
+    Not the torch backend whatever the optimizer runs: on the 2-core CI VM the torch backend's Adam on selected
+    columns measured 16-29 M elem/s, several times slower than the numba ops the optimizer uses there, and a plan
+    from it priced every selected column far too high (it chose r = 0.02 for the demo's model).
+    """
+    from zenflow_triton.kernels.device_ops import load_device_ops
+
+    try:
+        reference = load_device_ops("auto", torch.device("cpu"))
+    except ImportError:  # numba missing or broken: the optimizer would then need backend="torch" too
+        reference = load_device_ops("torch", torch.device("cpu"))
+    backend = reference.__name__.rsplit(".", 1)[-1]
 
     cols = 1024 if numel >= 1024 else numel
     rows = max(1, numel // cols)
@@ -344,9 +356,10 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     # Noise can make the difference tiny or negative; never let it claim Adam is free.
     t_adam = max(t_all - t_pass, 0.05 * t_pass)
     t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats)
-    rates = DeviceOpRates(source=f"measured: torch backend on CPU tensors, {torch.get_num_threads()} torch threads",
+    threads = "" if backend != "reference" else f", {torch.get_num_threads()} torch threads"
+    rates = DeviceOpRates(source=f"measured: {backend} on CPU tensors{threads}",
                           pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge)
-    _say(progress, f"CPU-tensor device step (torch): pass {rates.pass_rate / 1e6:.0f} M elem/s, "
+    _say(progress, f"CPU-tensor device step ({backend}): pass {rates.pass_rate / 1e6:.0f} M elem/s, "
                    f"Adam {rates.adam_rate / 1e6:.0f} M elem/s, merge {rates.merge_rate / 1e6:.0f} M elem/s")
     return rates
 

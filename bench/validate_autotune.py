@@ -3,8 +3,10 @@
 The "model" is a set of offloaded matrices whose gradients are fixed tensors assigned before every step, and
 whose forward and backward are a ``time.sleep(step_time)``: the step time is known and nothing but the
 optimizer competes with the host worker. For each setting, ``"auto"`` and deliberately bad fixed ones, it
-runs whole selection cycles after the warm-up and compares the stall per window that ``stats()`` measured
-(time ``step()`` waited on host work) with the plan's prediction. Pass: within 30% or 5 ms.
+runs whole selection cycles after the warm-up and compares the wait per window that ``stats()`` measured
+(``measured_stall_per_window_s``: time ``step()`` waited on host work) with the plan's ``predicted_wait_s``;
+the plan's ``predicted_stall_s`` adds the copies that nothing hides, which ``stats()`` counts in ``device_opt_s``
+(the "dev" columns). Pass: within 30% or 5 ms.
 
     python bench/validate_autotune.py                      # quick probe first, then every setting
     python bench/validate_autotune.py --profile PATH       # a profile from `python -m zenflow_triton.autotune`
@@ -36,8 +38,8 @@ class Outcome:
     update_interval: int
     cpu_threads: int
     step_time_s: float
-    predicted_stall_s: float
-    measured_stall_s: float
+    predicted_wait_s: float
+    measured_wait_s: float
     predicted_job_s: float
     measured_job_s: float
     predicted_device_s: float
@@ -46,8 +48,8 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        err = abs(self.measured_stall_s - self.predicted_stall_s)
-        return err <= 0.005 or err <= 0.3 * max(self.measured_stall_s, 1e-12)
+        err = abs(self.measured_wait_s - self.predicted_wait_s)
+        return err <= 0.005 or err <= 0.3 * max(self.measured_wait_s, 1e-12)
 
 
 def _snapshot(opt: ZenFlowAdamW) -> dict[str, float]:
@@ -88,8 +90,9 @@ def run_setting(label: str, shapes: list[tuple[int, int]], step_time: float, cyc
         end_stats = _snapshot(opt)
         s = opt.stats()
         windows = end_stats["windows"] - start_stats["windows"]
-        measured_stall = (end_stats["stall_s"] - start_stats["stall_s"]) / windows
-        measured_job = (end_stats["host_job_s"] - start_stats["host_job_s"]) / windows
+        # r = 1 has no host windows at all (DESIGN §3): nothing waited, nothing to divide.
+        measured_wait = (end_stats["stall_s"] - start_stats["stall_s"]) / windows if windows else 0.0
+        measured_job = (end_stats["host_job_s"] - start_stats["host_job_s"]) / windows if windows else 0.0
         # step() time that was not stall: the device-side step plus, at window ends, the copies and the merge.
         measured_device = (end_stats["device_opt_s"] - start_stats["device_opt_s"]) / (
             end_stats["steps"] - start_stats["steps"])
@@ -102,8 +105,8 @@ def run_setting(label: str, shapes: list[tuple[int, int]], step_time: float, cyc
                 cpu_threads=s["cpu_threads"], overlap=opt.config.overlap,
             )
         return Outcome(label=label, topk_ratio=s["topk_ratio"], update_interval=s["update_interval"],
-                       cpu_threads=s["cpu_threads"], step_time_s=t_meas, predicted_stall_s=plan.predicted_stall_s,
-                       measured_stall_s=measured_stall, predicted_job_s=plan.prediction.job_s,
+                       cpu_threads=s["cpu_threads"], step_time_s=t_meas, predicted_wait_s=plan.predicted_wait_s,
+                       measured_wait_s=measured_wait, predicted_job_s=plan.prediction.job_s,
                        measured_job_s=measured_job, predicted_device_s=plan.prediction.device_step_s
                        + plan.prediction.copy_s / plan.update_interval, measured_device_s=measured_device,
                        windows=int(windows))
@@ -139,23 +142,25 @@ def main(argv: list[str] | None = None) -> int:
 
     results = [run_setting("auto", shapes, args.step_time, args.cycles, topk_ratio="auto", update_interval="auto")]
     auto = results[0]
+    # "auto" may keep every column on the device (r = 1: no host work to predict); the fixed settings have some.
+    r = auto.topk_ratio if auto.topk_ratio < 1 else 0.1
+    results.append(run_setting("0.1 / 4", shapes, args.step_time, args.cycles, topk_ratio=0.1, update_interval=4))
     # Deliberately bad: the shortest window, overlapped and not (the host job then waits every window).
-    results.append(run_setting("U=1", shapes, args.step_time, args.cycles, topk_ratio=auto.topk_ratio,
-                               update_interval=1))
-    results.append(run_setting("U=1 sync", shapes, args.step_time, args.cycles, topk_ratio=auto.topk_ratio,
-                               update_interval=1, overlap=False))
+    results.append(run_setting("U=1", shapes, args.step_time, args.cycles, topk_ratio=r, update_interval=1))
+    results.append(run_setting("U=1 sync", shapes, args.step_time, args.cycles, topk_ratio=r, update_interval=1,
+                               overlap=False))
     header = (f"{'setting':<10} {'r':>8} {'U':>3} {'thr':>3} {'step':>8} {'windows':>7} {'dev pred':>9} "
-              f"{'dev meas':>9} {'job pred':>9} {'job meas':>9} {'stall pred':>10} {'stall meas':>10}  verdict")
+              f"{'dev meas':>9} {'job pred':>9} {'job meas':>9} {'wait pred':>10} {'wait meas':>10}  verdict")
     print(header)
     for o in results:
         print(f"{o.label:<10} {o.topk_ratio:>8.3g} {o.update_interval:>3} {o.cpu_threads:>3} "
               f"{o.step_time_s * 1e3:>6.1f}ms {o.windows:>7} {o.predicted_device_s * 1e3:>7.1f}ms "
               f"{o.measured_device_s * 1e3:>7.1f}ms {o.predicted_job_s * 1e3:>7.1f}ms "
-              f"{o.measured_job_s * 1e3:>7.1f}ms {o.predicted_stall_s * 1e3:>8.1f}ms {o.measured_stall_s * 1e3:>8.1f}ms"
+              f"{o.measured_job_s * 1e3:>7.1f}ms {o.predicted_wait_s * 1e3:>8.1f}ms {o.measured_wait_s * 1e3:>8.1f}ms"
               f"  {'ok' if o.ok else 'MISS'}")
     print("dev = step() time other than stall, per step (device-side step, plus copies and merge at window ends); "
-          "job = host job per window; stall = time step() waited on host work, per window (selection flushes "
-          "included); pass = stall within 30% or 5 ms")
+          "job = host job per window; wait = time step() waited on host work, per window (selection flushes "
+          "included); pass = wait within 30% or 5 ms")
     return 0 if all(o.ok for o in results) else 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 
 import pytest
@@ -9,9 +11,10 @@ import torch
 from autotune_profiles import synthetic_profile
 
 from zenflow_triton.autotune import bridge, machine
-from zenflow_triton.autotune.bridge import plan_for_optimizer
+from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR, plan_for_optimizer
 from zenflow_triton.autotune.cache import ENV_VAR, cache_dir, default_profile_path, save_profile
-from zenflow_triton.autotune.model import Plan
+from zenflow_triton.autotune.model import DEFAULT_MAX_LOSS_RATIO, Plan
+from zenflow_triton.autotune.quality import QualityTableError
 from zenflow_triton.config import ZenFlowConfig
 
 
@@ -20,6 +23,7 @@ def private_cache(tmp_path, monkeypatch):
     """Never touch the real user cache, and start every test without a profile."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
     monkeypatch.setattr(bridge, "_probed", {})
     return tmp_path
 
@@ -97,3 +101,37 @@ def test_plan_for_optimizer_passes_the_configs_select_windows(monkeypatch):
     monkeypatch.setattr(bridge, "DEFAULT_SELECT_WINDOWS", 3)  # as if the optimizer's config said 3
     plan = _plan(profile=synthetic_profile(), update_interval=2)
     assert plan.prediction.select_interval == 3 * 2
+
+
+def test_the_loss_budget_and_the_quality_table_reach_the_plan(tmp_path, monkeypatch):
+    prof = synthetic_profile()
+    assert inspect.signature(plan_for_optimizer).parameters["max_loss_ratio"].default == DEFAULT_MAX_LOSS_RATIO
+    default = _plan(profile=prof)
+    assert default.max_loss_ratio == DEFAULT_MAX_LOSS_RATIO and default.quality_source.startswith("shipped: ")
+    assert _plan(profile=prof, max_loss_ratio=1.2).max_loss_ratio == 1.2
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"topk_ratios": [0.1, 0.5], "update_intervals": [1, 4], "ratio": [[1.2, 1.2],
+                                                                                                  [1.01, 1.2]]}))
+    assert _plan(profile=prof, quality=mine).quality_source == str(mine)
+    monkeypatch.setenv(QUALITY_ENV_VAR, str(mine))
+    from_env = _plan(profile=prof)
+    assert from_env.quality_source == str(mine)
+    # Only U = 1 with a ratio near 0.5 (or above, toward AdamW's r = 1) is within 1.05 on that table.
+    assert from_env.update_interval == 1 and from_env.topk_ratio >= 0.4 and from_env.predicted_loss_ratio <= 1.05
+    mine.write_text("[]")
+    with pytest.raises(QualityTableError):
+        _plan(profile=prof)
+
+
+def test_the_optimizer_path_hints_at_what_an_optimizer_user_can_change(monkeypatch):
+    # ZenFlowAdamW has no loss-budget argument, so a stall hint naming --max-loss-ratio would point nowhere.
+    seen = {}
+    real = bridge.plan
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bridge, "plan", spy)
+    _plan(profile=synthetic_profile())
+    assert seen["relax_hint"].startswith("fix topk_ratio and update_interval yourself")

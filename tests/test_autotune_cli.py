@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from autotune_profiles import synthetic_profile
 
+from zenflow_triton.auto import Knobs
 from zenflow_triton.autotune import __main__ as cli
+from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
 from zenflow_triton.autotune.cache import ENV_VAR, SCHEMA, SCHEMA_VERSION, load_profile, save_profile
+from zenflow_triton.autotune.model import format_count, format_seconds
+from zenflow_triton.autotune.quality import default_quality_table
+from zenflow_triton.config import ZenFlowConfig
 
 # Small enough that a measuring run takes a fraction of a second once the numba kernel is compiled.
 TINY = ["--quick", "--adamw-numel", "16384", "--max-copy-bytes", "262144", "--quiet"]
@@ -21,6 +27,17 @@ def private_cache(tmp_path, monkeypatch):
     """Never touch the real user cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
+
+
+@pytest.fixture
+def saved_profile(tmp_path):
+    return save_profile(synthetic_profile(), tmp_path / "synthetic.json")
+
+
+def stats(windows: int = 0, stall_s: float = 0.0) -> SimpleNamespace:
+    """What Knobs.report reads of the optimizer's counters (zenflow_triton.pipeline.Stats)."""
+    return SimpleNamespace(windows=windows, stall_s=stall_s, windows_at_plan=0, stall_at_plan=0.0)
 
 
 def run(argv, capsys):
@@ -42,6 +59,9 @@ def run(argv, capsys):
         ["--grad-dtype", "float16"],
         ["--output", "x.json", "--no-save"],
         ["--load", "--quick"],
+        ["--max-loss-ratio", "0.9"],  # below AdamW's own loss
+        ["--max-update-interval", "0"],
+        ["--min-topk-ratio", "2"],
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, capsys):
@@ -165,3 +185,100 @@ def test_plans_use_the_configs_select_windows(tmp_path, monkeypatch, capsys):
     assert code == cli.EXIT_OK, err
     (plan,) = json.loads(out)["plans"]
     assert plan["prediction"]["select_interval"] == 3 * plan["update_interval"]
+
+
+def table_row(out: str) -> str:
+    """The first plan row of the "would choose" table, whitespace collapsed."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "loss ratio" in line and "pred step" in line)
+    return " ".join(lines[header + 1].split())
+
+
+def expected_row(plan: dict) -> str:
+    return " ".join([format_count(plan["params"]), format_seconds(plan["step_time_s"]), f"{plan['topk_ratio']:.3g}",
+                     str(plan["update_interval"]), str(plan["cpu_threads"]), f"{plan['predicted_loss_ratio']:.3f}",
+                     format_seconds(plan["predicted_time_per_step_s"]),
+                     format_seconds(plan["predicted_stall_per_window_s"]),
+                     f"{plan['predicted_stall_fraction']:.1%}"])
+
+
+@pytest.mark.parametrize(("given", "count"), [("421k", 421_000), ("10M", 10_000_000), ("125M", 125_000_000),
+                                              ("7B", 7_000_000_000)])
+def test_the_parameter_count_prints_as_given_and_the_table_matches_the_json(saved_profile, capsys, given, count):
+    argv = ["--load", str(saved_profile), "--params", given, "--step-time", "0.5"]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == cli.EXIT_OK, err
+    (plan,) = json.loads(out)["plans"]
+    assert plan["params"] == count
+    assert plan["predicted_loss_ratio"] <= plan["max_loss_ratio"] == 1.05 and plan["loss_budget_met"]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_OK, err
+    assert table_row(out).startswith(expected_row(plan))
+    assert table_row(out).startswith(given + " ")
+    why = out.split("  why:\n", 1)[1].splitlines()
+    assert [line.strip() for line in why] == plan["reason"].splitlines()
+    assert f"budget {plan['max_loss_ratio']:g}" in why[0]
+
+
+def test_json_table_and_stats_tell_one_story(saved_profile, capsys):
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2", "--max-loss-ratio", "1.03"]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == cli.EXIT_OK, err
+    (from_json,) = json.loads(out)["plans"]
+    # stats() gets the same plan's fields through Knobs.report, under the same names.
+    _, plan = cli._plans(load_profile(saved_profile), cli.build_parser().parse_args(argv), default_quality_table())[0]
+    knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto"))
+    knobs.plan = plan
+    reported = knobs.report(stats(windows=10, stall_s=0.5))
+    assert reported["auto_reason"] == from_json["reason"]
+    shared = set(reported) - {"auto_reason", "measured_stall_per_window_s", "measured_step_time_s"}
+    assert {"predicted_loss_ratio", "max_loss_ratio", "predicted_stall_per_window_s", "predicted_wait_per_window_s",
+            "predicted_copy_per_window_s", "predicted_time_per_step_s", "hides_host_work"} <= shared
+    assert {k: reported[k] for k in shared} == {k: from_json[k] for k in shared}
+    assert from_json["max_loss_ratio"] == 1.03 and from_json["predicted_loss_ratio"] <= 1.03
+    # The stall is the wait plus the copies, in every output.
+    assert from_json["predicted_stall_per_window_s"] == pytest.approx(
+        from_json["predicted_wait_per_window_s"] + from_json["predicted_copy_per_window_s"])
+    assert from_json["predicted_stall_per_window_s"] == pytest.approx(from_json["prediction"]["stall_s"])
+
+
+def test_stall_the_budget_cannot_hide_is_flagged_in_the_table(saved_profile, capsys):
+    # A huge model behind short steps on the synthetic 4-core machine: the host job cannot hide.
+    argv = ["--load", str(saved_profile), "--params", "2B", "--step-time", "0.01", "--device", "cpu"]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_OK, err
+    assert "host work not hidden" in table_row(out)
+    code, out, _ = run([*argv, "--json"], capsys)
+    (plan,) = json.loads(out)["plans"]
+    assert not plan["hides_host_work"] and plan["loss_budget_met"]
+    assert f"expect {plan['predicted_stall_fraction']:.0%} stall" in plan["reason"]
+
+
+def test_bounds_reach_the_choice(saved_profile, capsys):
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2", "--json"]
+    code, out, _ = run([*argv, "--max-update-interval", "2", "--min-topk-ratio", "0.3"], capsys)
+    assert code == cli.EXIT_OK
+    (plan,) = json.loads(out)["plans"]
+    assert plan["update_interval"] <= 2 and plan["topk_ratio"] >= 0.3
+
+
+def test_a_users_quality_table_is_used_and_a_broken_one_exits_7(saved_profile, tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine.json"
+    # A task where every setting but the shortest window at the largest ratio costs 20%.
+    mine.write_text(json.dumps({"topk_ratios": [0.1, 0.5], "update_intervals": [1, 4],
+                                "ratio": [[1.2, 1.2], [1.01, 1.2]], "task": "mine"}))
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2", "--json"]
+    code, out, err = run([*argv, "--quality-table", str(mine)], capsys)
+    assert code == cli.EXIT_OK, err
+    doc = json.loads(out)
+    (plan,) = doc["plans"]
+    assert doc["quality_table"]["source"] == str(mine) == plan["quality_table"]
+    # Only U = 1 with a ratio near 0.5 (or above, toward AdamW's r = 1) is within 1.05 on that table.
+    assert plan["predicted_loss_ratio"] <= 1.05 and plan["update_interval"] == 1 and plan["topk_ratio"] >= 0.4
+    monkeypatch.setenv(QUALITY_ENV_VAR, str(mine))  # the same table through the environment, as "auto" reads it
+    code, out, _ = run(argv, capsys)
+    assert json.loads(out)["plans"][0]["quality_table"] == str(mine)
+    mine.write_text("{")
+    code, _, err = run([*argv, "--quality-table", str(mine)], capsys)
+    assert code == cli.EXIT_BAD_QUALITY_TABLE
+    assert "not JSON" in err

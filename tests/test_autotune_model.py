@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from zenflow_triton.autotune.model import (
     stall_grid,
 )
 from zenflow_triton.autotune.profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+from zenflow_triton.autotune.quality import QualityTable
 from zenflow_triton.config import ZenFlowConfig
 
 GB = 1e9
@@ -76,10 +79,27 @@ def make_workload(params: float = 1e9, step: float = 0.5, *, budget: float | Non
 # ------------------------------------------------------------------------------------------- shapes
 
 
+@pytest.mark.parametrize("n", [100, 4096, 421_000, 10_000_000, 125_000_000, 7_000_000_000])
+def test_shapes_for_param_count_hold_exactly_the_count(n):
+    shapes = shapes_for_param_count(n)
+    assert sum(r * c for r, c in shapes) == n
+    assert shapes[0] == ((4096, 4096) if n >= 4096 * 4096 else shapes[0])
+
+
+@pytest.mark.parametrize(("n", "text"), [(421_000, "421k"), (418_000, "418k"), (10e6, "10M"), (125e6, "125M"),
+                                         (1.3e9, "1.3B"), (7e9, "7B"), (999.9e6, "1B"), (12, "12"), (1e12, "1T")])
+def test_human_counts(n, text):
+    assert model.format_count(n) == text
+
+
+def test_human_seconds():
+    assert [model.format_seconds(x) for x in (2.5, 0.5, 0.0123, 4.2e-5, 0.0)] == ["2.50 s", "500 ms", "12.3 ms",
+                                                                                   "42 us", "0 s"]
+
+
 def test_shapes_for_param_count_covers_the_count():
     shapes = shapes_for_param_count(40_000_000)
     assert shapes[0] == (4096, 4096)
-    assert sum(r * c for r, c in shapes) == pytest.approx(40_000_000, rel=1e-3)
     assert shapes_for_param_count(100) == ((1, 100),)
     with pytest.raises(ValueError):
         shapes_for_param_count(0)
@@ -108,6 +128,7 @@ def test_predict_matches_the_formulas_on_cuda():
     assert p.stall_s == pytest.approx(p.wait_s + p.copy_s)
     assert p.device_bytes == pytest.approx(n * (ACC_BYTES + 12 * 0.25))
     assert p.stall_fraction == pytest.approx(p.stall_s / (4 * 0.02))
+    assert p.step_s == pytest.approx(0.02 + dev + p.stall_s / 4)
 
 
 def test_predict_on_cpu_tensors_uses_memcpy_and_exposes_both_copies():
@@ -141,101 +162,198 @@ def test_predict_validates_its_arguments():
 
 # ------------------------------------------------------------------------------------------- choice
 
-
-def _assert_smallest(prof: Profile, w: Workload, result, target: float = 0.05) -> None:
-    """The chosen U meets the target and U - 1 does not."""
-    assert result.target_met
-    assert result.prediction.stall_fraction <= target
-    if result.update_interval > 1:
-        worse = predict(prof, w, topk_ratio=result.topk_ratio, update_interval=result.update_interval - 1,
-                        cpu_threads=result.cpu_threads)
-        assert worse.stall_fraction > target
+RS = (0.02, 0.05, 0.1, 0.25, 0.5)
+US = (1, 2, 4, 8, 16)
 
 
-def test_cpu_bound_machine_gets_a_long_window():
+def make_quality(scale: float = 0.01) -> QualityTable:
+    """Loss ratio 1 + scale * (1 + log2 U) * sqrt(0.1 / r): worse with longer windows and smaller ratios."""
+    ratios = tuple(tuple((1 + scale * (1 + math.log2(u)) * math.sqrt(0.1 / r),) for u in US) for r in RS)
+    return QualityTable(topk_ratios=RS, update_intervals=US, ratios=ratios, source="synthetic")
+
+
+Q = make_quality()
+
+
+def candidates(prof: Profile, w: Workload, result, targets: Targets, quality: QualityTable = Q):
+    """Every (r, U) the chooser could have taken, with its prediction and predicted loss."""
+    for r in (*model._RATIO_STEPS, *quality.topk_ratios):
+        if r < targets.min_topk_ratio or (w.memory_budget_bytes is not None
+                                          and w.numel * (ACC_BYTES + 12 * r) > w.memory_budget_bytes):
+            continue
+        for u in range(1, targets.max_update_interval + 1):
+            yield predict(prof, w, topk_ratio=r, update_interval=u, cpu_threads=result.cpu_threads), \
+                quality.predict(r, u)
+
+
+def assert_fastest_within_budget(prof: Profile, w: Workload, result, targets: Targets | None = None) -> None:
+    """The choice meets the loss budget, and no setting within it is faster by more than the speed tolerance."""
+    targets = targets or Targets()
+    assert result.loss_budget_met
+    assert result.predicted_loss_ratio <= targets.max_loss_ratio
+    for pred, loss in candidates(prof, w, result, targets):
+        if loss is not None and loss <= targets.max_loss_ratio:
+            assert pred.step_s >= result.predicted_step_s / (1 + targets.speed_tolerance) - 1e-12, \
+                (pred.topk_ratio, pred.update_interval)
+
+
+def test_the_choice_is_the_fastest_setting_within_the_loss_budget():
     prof = make_profile(cpu_rate=1e9, pcie=50 * GB)
-    w = make_workload(params=7e9, step=1.0)
-    result = plan(prof, w)
-    _assert_smallest(prof, w, result)
-    assert result.prediction.cpu_s > 10 * result.prediction.copy_s
-    assert result.update_interval >= 8
+    w = make_workload(params=7e9, step=1.0, budget=None)
+    result = plan(prof, w, quality=Q)
+    assert_fastest_within_budget(prof, w, result)
+    assert result.predicted_loss_ratio == pytest.approx(Q.predict(result.topk_ratio, result.update_interval))
+    assert result.hides_host_work
+    # A looser budget never makes the predicted step slower, nor a tighter one the predicted loss worse.
+    loose = plan(prof, w, quality=Q, targets=Targets(max_loss_ratio=1.2))
+    tight = plan(prof, w, quality=Q, targets=Targets(max_loss_ratio=1.02))
+    assert loose.predicted_step_s <= result.predicted_step_s * 1.01
+    assert tight.predicted_loss_ratio <= result.predicted_loss_ratio <= 1.05
+    assert tight.loss_budget_met and "within the budget 1.02" in tight.reason
 
 
-def test_pcie_bound_machine_is_limited_by_copies_not_by_the_cpu():
-    prof = make_profile(cpu_rate=1e11, pcie=5 * GB)
-    w = make_workload(params=1e9, step=0.5)
-    result = plan(prof, w)
-    _assert_smallest(prof, w, result)
-    pred = result.prediction
-    assert pred.copy_s > pred.wait_s
-    assert result.update_interval >= 8
-    # A yet faster CPU changes nothing: the copies decide.
-    faster = plan(make_profile(cpu_rate=1e12, pcie=5 * GB), w)
-    assert faster.update_interval == result.update_interval
+def test_equal_speeds_go_to_the_lower_loss():
+    # A fast machine hides everything at any setting and the device-side Adam costs next to nothing: every point is
+    # equally fast, so quality decides, and r = 1 (plain AdamW on the device) fits the memory.
+    prof = make_profile(cpu_rate=1e12, pcie=1000 * GB, mem_bw=1e16)
+    w = make_workload(params=1e8, step=1.0, budget=None)
+    result = plan(prof, w, quality=Q)
+    assert (result.topk_ratio, result.update_interval) == (1.0, 1)
+    assert result.predicted_loss_ratio == 1.0 and result.predicted_stall_s == 0.0
+    ZenFlowConfig(**result.config_fields())  # expressible as config fields
 
 
-def test_memory_bound_machine_gets_the_largest_ratio_that_fits():
-    w = make_workload(params=1e9, step=1.0, budget=1e9 * (ACC_BYTES + 12 * 0.0537))
-    prof = make_profile(mem_bw=1e15)  # device time never binds
-    result = plan(prof, w)
-    assert result.topk_ratio == pytest.approx(0.053)
-    assert result.prediction.device_bytes <= w.memory_budget_bytes
+def test_stall_that_no_setting_within_the_budget_hides_is_reported_not_traded_for_quality():
+    # The memory holds r <= 0.1; within the loss budget that allows U <= 5, which cannot hide a 10 s host job
+    # behind 2 s steps, while U = 14 would (at a worse loss).
+    steep = make_quality(0.015)
+    prof = make_profile(cpu_rate=6.3e8, cores=2, pcie=50 * GB)
+    w = make_workload(params=7e9, step=2.0)
+    result = plan(prof, w, quality=steep)
+    assert result.loss_budget_met and result.predicted_loss_ratio <= 1.05  # the budget is kept
+    assert not result.hides_host_work
+    assert (result.topk_ratio, result.update_interval) == (0.1, 5)
+    stall = f"expect {result.prediction.stall_fraction:.0%} stall"
+    assert f"this machine cannot hide the host work at this quality: {stall}; raise --max-loss-ratio" in result.reason
+    # The hint is true: the setting it names hides the host work, faster, at the loss it states.
+    r, u, loss = re.search(r"\(topk_ratio=([\d.]+), update_interval=(\d+): ([\d.]+)x AdamW", result.reason).groups()
+    alt = predict(prof, w, topk_ratio=float(r), update_interval=int(u), cpu_threads=result.cpu_threads)
+    assert alt.stall_fraction <= 0.05 and alt.step_s < result.predicted_step_s
+    assert float(loss) == pytest.approx(steep.predict(float(r), int(u)), abs=5e-4) and float(loss) > 1.05
+    looser = Targets(max_loss_ratio=steep.predict(float(r), int(u)))
+    assert plan(prof, w, quality=steep, targets=looser).hides_host_work
+
+
+def test_stall_that_nothing_in_the_table_hides_says_so():
+    prof = make_profile(cpu_rate=1e7, cores=2, pcie=50 * GB)
+    w = make_workload(params=7e9, step=0.1)
+    result = plan(prof, w, quality=Q, relax_hint="HINT")
+    assert not result.hides_host_work and result.loss_budget_met
+    assert "cannot hide the host work within the bounds and the quality table's range" in result.reason
+    assert "HINT" not in result.reason
+
+
+def test_an_impossible_loss_budget_gives_the_lowest_loss_and_says_so():
+    # The memory holds at most r = 0.2, and the budget asks for AdamW's own loss.
+    w = make_workload(params=1e9, step=1.0, budget=1e9 * (ACC_BYTES + 12 * 0.2))
+    result = plan(make_profile(), w, quality=Q, targets=Targets(max_loss_ratio=1.0))
+    assert not result.loss_budget_met
+    assert result.topk_ratio == 0.2 and result.update_interval == 1
+    assert result.predicted_loss_ratio == pytest.approx(Q.predict(0.2, 1))
+    assert "no setting within the bounds meets the loss budget 1" in result.reason
     assert "memory budget" in result.reason
+
+
+@pytest.mark.parametrize(("bounds", "check"), [
+    (dict(max_update_interval=2), lambda p: p.update_interval <= 2),
+    (dict(min_topk_ratio=0.3), lambda p: p.topk_ratio >= 0.3),
+    (dict(max_update_interval=3, min_topk_ratio=0.07), lambda p: p.update_interval <= 3 and p.topk_ratio >= 0.07),
+])
+def test_bounds_restrict_the_choice(bounds, check):
+    prof = make_profile(cpu_rate=2e9, pcie=50 * GB, mem_bw=300 * GB)  # the device-side Adam matters
+    w = make_workload(params=1e9, step=0.2, budget=None)
+    free = plan(prof, w, quality=Q)
+    assert not check(free)  # the bound binds
+    targets = Targets(**bounds)
+    bounded = plan(prof, w, quality=Q, targets=targets)
+    assert check(bounded) and bounded.loss_budget_met
+    assert_fastest_within_budget(prof, w, bounded, targets)
+
+
+def test_nothing_outside_the_quality_table_is_chosen_while_something_inside_exists():
+    prof = make_profile(cpu_rate=1e8, cores=2, pcie=50 * GB)
+    w = make_workload(params=7e9, step=0.05, budget=None)
+    result = plan(prof, w, quality=Q)
+    assert Q.covers(result.topk_ratio, result.update_interval)
+    assert result.update_interval <= US[-1]
+
+
+def test_memory_bound_machine_keeps_the_ratio_within_the_budget():
+    w = make_workload(params=1e9, step=1.0, budget=1e9 * (ACC_BYTES + 12 * 0.0537))
+    result = plan(make_profile(mem_bw=1e15), w, quality=Q, targets=Targets(max_loss_ratio=1.2))
+    assert result.topk_ratio <= 0.053
+    assert result.prediction.device_bytes <= w.memory_budget_bytes
+    assert "topk_ratio at most 0.053: the device memory budget" in result.reason
 
 
 def test_budget_below_the_accumulator_gives_ratio_zero_and_says_so():
     w = make_workload(params=1e9, step=1.0, budget=1e9)
-    result = plan(make_profile(), w)
+    result = plan(make_profile(), w, quality=Q)
     assert result.topk_ratio == 0.0
-    assert "out-of-memory" in result.reason
-
-
-def test_device_time_limits_the_ratio():
-    prof = make_profile(mem_bw=100 * GB)  # adam_rate = 100e9 / 26 elements/s
-    w = make_workload(params=1e9, step=0.5, budget=None)
-    result = plan(prof, w)
-    limit = 0.05 * 0.5 * (100e9 / 26) / 1e9
-    assert 0.9 * limit <= result.topk_ratio <= limit
-    assert "device-side Adam" in result.reason
-
-
-def test_tiny_model_updates_everything_on_the_device_every_step():
-    prof = make_profile()
-    w = Workload(shapes=((64, 64),), step_time_s=0.01, device="cuda", memory_budget_bytes=1e9)
-    result = plan(prof, w)
-    assert result.topk_ratio == 1.0
-    assert result.update_interval == 1
-    assert result.predicted_stall_s == 0.0
-    ZenFlowConfig(**result.config_fields())  # expressible as config fields
+    assert result.predicted_loss_ratio is None and not result.loss_budget_met
+    assert "out-of-memory" in result.reason and "loss is unknown" in result.reason
 
 
 def test_no_gpu_profile_plans_for_cpu_tensors_and_refuses_cuda():
     prof = make_profile(gpu=False)
-    result = plan(prof, make_workload(params=5e7, step=0.2, device="cpu"))
+    result = plan(prof, make_workload(params=5e7, step=0.2, device="cpu"), quality=Q)
     assert result.update_interval >= 1
     assert "CPU tensors" in result.reason and "memcpy" in result.reason
     with pytest.raises(ValueError, match="no GPU figures"):
-        plan(prof, make_workload(device="cuda"))
-
-
-def test_unreachable_target_picks_the_least_stall_and_says_so():
-    prof = make_profile(pcie=0.01 * GB)
-    w = make_workload(params=1e9, step=0.01)
-    result = plan(prof, w, targets=Targets(max_update_interval=8))
-    assert not result.target_met
-    assert result.update_interval == 8
-    assert "no U up to 8" in result.reason
+        plan(prof, make_workload(device="cuda"), quality=Q)
 
 
 def test_fixed_values_are_kept_and_select_interval_restricts_u():
     prof = make_profile(cpu_rate=2e8)
     w = make_workload(params=7e9, step=1.0)
-    fixed = plan(prof, w, topk_ratio=0.2, update_interval=3, cpu_threads=2)
+    fixed = plan(prof, w, topk_ratio=0.2, update_interval=3, cpu_threads=2, quality=Q)
     assert (fixed.topk_ratio, fixed.update_interval, fixed.cpu_threads) == (0.2, 3, 2)
-    assert fixed.reason.count("fixed by the caller") == 3
-    restricted = plan(prof, w, select_interval=60)
+    assert "topk_ratio and update_interval fixed by the caller" in fixed.reason
+    assert "cpu_threads=2: fixed by the caller" in fixed.reason
+    assert fixed.predicted_loss_ratio == pytest.approx(Q.predict(0.2, 3))
+    restricted = plan(prof, w, select_interval=60, quality=Q)
     assert 60 % restricted.update_interval == 0
     assert restricted.prediction.select_interval == 60
+    outside = plan(prof, w, topk_ratio=0.01, quality=Q)
+    assert outside.predicted_loss_ratio is None and "loss is unknown" in outside.reason
+
+
+def test_the_stall_includes_the_copies_everywhere_it_is_shown():
+    # PCIe-bound: the host job hides but the copies do not, which is the case the old output got wrong (a
+    # predicted stall of 0.0 beside a reason counting the copies).
+    prof = make_profile(cpu_rate=1e11, pcie=2 * GB)
+    w = make_workload(params=1e9, step=0.5)
+    result = plan(prof, w, quality=Q)
+    pred = result.prediction
+    assert pred.copy_s > 0
+    assert result.predicted_stall_s == pytest.approx(pred.wait_s + pred.copy_s) == pytest.approx(pred.stall_s)
+    assert result.predicted_wait_s == pred.wait_s and result.predicted_copy_s == pred.copy_s
+    s = result.summary()
+    assert s["predicted_stall_per_window_s"] == result.predicted_stall_s
+    assert s["predicted_stall_fraction"] == pytest.approx(result.predicted_stall_s / (result.update_interval * 0.5))
+    per_step = 0.5 + pred.device_step_s + pred.stall_s / pred.update_interval
+    assert s["predicted_time_per_step_s"] == pytest.approx(per_step)
+    assert f"{model.format_seconds(pred.stall_s / pred.update_interval)} stall" in result.reason
+    assert f"({pred.stall_fraction:.1%} of the model step)" in result.reason
+
+
+def test_the_reason_is_a_few_short_lines():
+    prof = make_profile(cpu_rate=2e8, cores=2)
+    result = plan(prof, make_workload(params=7e9, step=0.5, budget=None), quality=Q)
+    lines = result.reason.splitlines()
+    assert 3 <= len(lines) <= 8
+    assert all(len(line) <= 200 for line in lines), lines
+    assert result.headline().startswith(f"topk_ratio={result.topk_ratio:g} update_interval=")
 
 
 def test_threads_leave_a_core_for_training():
@@ -259,18 +377,19 @@ def test_bf16_landing_moves_fewer_bytes():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_faster_cpu_never_raises_the_chosen_interval(seed):
+def test_a_faster_cpu_never_makes_the_chosen_step_slower(seed):
     rng = random.Random(seed)
     base = dict(pcie=rng.uniform(1, 60) * GB, cores=rng.choice([2, 4, 16, 64]), mem_bw=rng.uniform(200, 5000) * GB,
                 overhead=rng.uniform(0, 1e-3))
     w = make_workload(params=rng.uniform(1e7, 2e10), step=rng.uniform(0.01, 3.0),
                       budget=rng.choice([None, rng.uniform(10, 200) * 2**30]))
     previous = None
-    for rate in sorted(rng.uniform(1e7, 1e11) for _ in range(12)):
-        u = plan(make_profile(cpu_rate=rate, **base), w).update_interval
-        if previous is not None:
-            assert u <= previous, (rate, u, previous)
-        previous = u
+    for rate in sorted(rng.uniform(1e7, 1e11) for _ in range(8)):
+        result = plan(make_profile(cpu_rate=rate, **base), w, quality=Q)
+        if previous is not None and result.loss_budget_met and previous.loss_budget_met:
+            # The fastest feasible step can only get faster; the choice is within the tolerance of it.
+            assert result.predicted_step_s <= previous.predicted_step_s * 1.01 + 1e-12, (rate, result, previous)
+        previous = result
 
 
 def test_stall_grid_matches_predict():

@@ -3,6 +3,9 @@ one plan from the machine profile that resolves every ``"auto"`` field.
 
 :class:`Knobs` holds one :class:`ZenFlowConfig`, ``resolved``: the user's config with the library's defaults
 filled in (``select_interval``, ``cpu_threads``) and, once planned, the autotuner's choices in place of ``"auto"``.
+
+The choice is announced in one line on the ``zenflow_triton.auto`` logger (see :func:`announce`), and ``stats()``
+keeps the plan's fields and its reason (:meth:`Knobs.report`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,15 +23,49 @@ import torch
 from .config import ZenFlowConfig
 from .worker import host_thread_limit
 
-__all__ = ["AUTO_WARMUP_STEPS", "Knobs"]
+__all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce"]
 
 logger = logging.getLogger("zenflow_triton")
+# The logger of the one line "auto" writes about its choice: a child of the library's, so an application can route
+# or silence it alone (logging.getLogger("zenflow_triton.auto").setLevel(logging.WARNING)).
+choice_logger = logging.getLogger("zenflow_triton.auto")
 
 # "auto" knobs measure the step time over the warm-up (synchronous, so every sample is a whole step);
 # five steps give four intervals, enough for a median that ignores the first, slower, step.
 AUTO_WARMUP_STEPS = 5
 
 _CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads")
+
+
+def announce(message: str, log: logging.Logger = choice_logger) -> None:
+    """Log ``message`` at INFO on ``log``; when the application has configured no logging at all, write it to
+    stderr anyway.
+
+    A library must not configure logging (no handlers or levels set behind the application's back), yet an
+    automatic choice that changes training should not pass unseen, and an INFO record with no handler anywhere is
+    dropped (``logging.lastResort`` prints WARNING and above only; a warning would be wrong for a normal event).
+    So: with any handler on the way to the root, the record goes through logging as usual and the application's
+    levels and format decide; with none, this one record goes to stderr through a handler made for it, as
+    ``lastResort`` would do for a warning. Nothing global changes, so configuring logging later takes effect. A
+    level above INFO set on the library's loggers (``zenflow_triton`` or ``zenflow_triton.auto``) or
+    ``logging.disable`` silences it in both cases.
+    """
+    if log.hasHandlers():
+        log.info(message)
+        return
+    if log.disabled or log.manager.disable >= logging.INFO:
+        return
+    node: logging.Logger | None = log
+    while node is not None and not isinstance(node, logging.RootLogger):
+        if node.level:  # the nearest level set on the library's own loggers; the root's default does not count
+            if node.level > logging.INFO:
+                return
+            break
+        node = node.parent
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, None, None)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.handle(record)
 
 
 class Knobs:
@@ -117,8 +155,12 @@ class Knobs:
             threads = max(1, min(int(plan.cpu_threads), host_thread_limit()))
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
                                               select_interval=select, cpu_threads=threads)
-        logger.info("zenflow_triton auto: topk_ratio=%.3g update_interval=%d cpu_threads=%d: %s",
-                    self.resolved.topk_ratio, u, threads, plan.reason)
+        loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"
+        announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u} cpu_threads={threads}: "
+                 f"predicted loss {loss} (budget {plan.max_loss_ratio:g}), "
+                 f"{plan.prediction.stall_fraction:.1%} stall"
+                 + ("" if plan.hides_host_work else " (host work not hidden)")
+                 + "; why: stats()['auto_reason']")
 
     def report(self, stats: Any) -> dict[str, Any]:
         """The "auto" entries of ``ZenFlowAdamW.stats()`` (none until a plan is made); ``stats`` is the optimizer's
@@ -127,13 +169,16 @@ class Knobs:
         if plan is None:
             return {}
         windows = stats.windows - stats.windows_at_plan
-        return {
-            "measured_stall_per_window_s": (stats.stall_s - stats.stall_at_plan) / windows if windows else 0.0,
-            "predicted_stall_per_window_s": plan.predicted_stall_s,
-            "predicted_host_per_window_s": plan.predicted_host_s,
-            "auto_reason": plan.reason,
-            "measured_step_time_s": self.measured_step_time(),
-        }
+        # The plan's fields under the names the CLI's --json uses (the knobs themselves are already in stats(), as
+        # in use); measured_stall_per_window_s (time step() waited on the host since the plan) compares with
+        # predicted_wait_per_window_s, the copies counting in device_opt_s.
+        out = {k: v for k, v in plan.summary().items() if k not in _CHECKPOINT_KEYS and k != "reason"}
+        out.update(
+            measured_stall_per_window_s=(stats.stall_s - stats.stall_at_plan) / windows if windows else 0.0,
+            measured_step_time_s=self.measured_step_time(),
+            auto_reason=plan.reason,
+        )
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 

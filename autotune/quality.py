@@ -1,0 +1,238 @@
+"""The quality side of the autotuner: how much worse than AdamW training gets at a given ``(topk_ratio, U)``.
+
+ZenFlow trades quality for speed: the unselected columns get one host step per window of ``U`` steps, one window
+late (DESIGN §3), so at equal steps the loss degrades as ``U`` rises and ``topk_ratio`` falls. How much depends on
+the task; the speed side of the choice cannot see it. This module holds a *quality table*, held-out loss of
+ZenFlowAdamW over AdamW's at equal steps, measured over a grid of ``(r, U)`` for several seeds, and predicts the
+ratio between grid points.
+
+**The shipped table** (``quality_charlm.json`` next to this file) is one task: the demo's fine-tune of a 0.21M
+parameter byte-level transformer, 200 steps, ``overlap=True``, ``select_interval = 8 U``, 5 batch seeds; its
+``command`` field regenerates it (``bench/quality_table.py``, 10 minutes on one shared core). A larger model, a longer
+run or another task may degrade more or less: treat the table as a measured prior, not a guarantee, and measure
+your own task when the budget matters (same format, ``--quality-table PATH`` on the command line,
+``quality=`` in :func:`~zenflow_triton.autotune.plan` and ``plan_for_optimizer``).
+
+**The model** is interpolation, no fit: the mean over seeds at the grid points, bilinear in ``(log r, log U)``
+between them, plus one exact anchor: ``r = 1`` is plain AdamW (DESIGN §3's degenerate case), ratio 1 at every
+``U``. Outside the measured range (``r`` below the smallest measured ratio, ``U`` outside the measured intervals)
+:meth:`QualityTable.predict` returns None and the chooser does not go there: it never extrapolates.
+
+**Format** (JSON): ``topk_ratios`` (ascending, in (0, 1)), ``update_intervals`` (ascending ints >= 1), and either
+``ratio`` (``[r][U]`` numbers, or ``[r][U]`` lists, one per seed) or ``loss`` (``[r][U][seed]``) with
+``adamw_loss`` (``[seed]``); optional ``schema`` (1), ``task``, ``metric``, ``command``, ``seeds`` and
+``measured`` (free-form record of where and how).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCHEMA_VERSION", "DEFAULT_TABLE", "QualityTable", "QualityTableError", "load_quality_table",
+           "default_quality_table"]
+
+SCHEMA_VERSION = 1
+# File name of the shipped table inside this package.
+DEFAULT_TABLE = "quality_charlm.json"
+
+
+class QualityTableError(ValueError):
+    """A quality table that cannot be read or is malformed; the message says which and where."""
+
+
+def _grid(values: Any, name: str, kind: type) -> tuple:
+    if not isinstance(values, list) or not values:
+        raise QualityTableError(f"{name} must be a non-empty list")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+            raise QualityTableError(f"{name} holds {v!r}, not a{'n int' if kind is int else ' number'}")
+        out.append(kind(v))
+    if any(b <= a for a, b in zip(out, out[1:])):
+        raise QualityTableError(f"{name} must be strictly ascending: {out}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class QualityTable:
+    """Loss ratio vs AdamW per ``(topk_ratio, update_interval)``: ``ratios[i][j]`` holds one value per seed."""
+
+    topk_ratios: tuple[float, ...]
+    update_intervals: tuple[int, ...]
+    ratios: tuple[tuple[tuple[float, ...], ...], ...]
+    """``ratios[i][j]``: the ratio at ``topk_ratios[i]`` x ``update_intervals[j]``, one entry per seed."""
+    task: str = ""
+    command: str = ""
+    seeds: tuple[int, ...] = ()
+    source: str = ""
+    """Where the table came from (a path, or "shipped: <name>")."""
+    measured: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if any(not 0 < r < 1 for r in self.topk_ratios):
+            raise QualityTableError(f"topk_ratios must lie in (0, 1): {self.topk_ratios}")
+        if any(u < 1 for u in self.update_intervals):
+            raise QualityTableError(f"update_intervals must be >= 1: {self.update_intervals}")
+        if len(self.ratios) != len(self.topk_ratios) or any(len(row) != len(self.update_intervals)
+                                                            for row in self.ratios):
+            raise QualityTableError(f"ratio grid must be {len(self.topk_ratios)} x {len(self.update_intervals)} "
+                                    "(topk_ratios x update_intervals)")
+        for row in self.ratios:
+            for cell in row:
+                if not cell or any(not (math.isfinite(x) and x > 0) for x in cell):
+                    raise QualityTableError(f"every cell needs positive finite ratios, got {cell}")
+
+    # ------------------------------------------------------------------ reading
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str = "") -> QualityTable:
+        """Validate and build a table from its JSON document (format: module docstring)."""
+        if not isinstance(doc, dict):
+            raise QualityTableError(f"{source or 'quality table'}: expected a JSON object")
+        where = source or "quality table"
+        try:
+            schema = doc.get("schema", SCHEMA_VERSION)
+            if schema != SCHEMA_VERSION:
+                raise QualityTableError(f"schema {schema!r}, this version reads {SCHEMA_VERSION}")
+            rs = _grid(doc.get("topk_ratios"), "topk_ratios", float)
+            us = _grid(doc.get("update_intervals"), "update_intervals", int)
+            if "ratio" in doc:
+                cells = [[list(c) if isinstance(c, list) else [c] for c in row] for row in doc["ratio"]]
+            elif "loss" in doc and "adamw_loss" in doc:
+                base = [float(x) for x in doc["adamw_loss"]]
+                if not base or any(not (math.isfinite(b) and b > 0) for b in base):
+                    raise QualityTableError(f"adamw_loss must be positive numbers: {doc['adamw_loss']}")
+                cells = [[[float(x) / b for x, b in zip(c, base, strict=True)] for c in row] for row in doc["loss"]]
+            else:
+                raise QualityTableError("needs 'ratio', or 'loss' with 'adamw_loss'")
+            ratios = tuple(tuple(tuple(float(x) for x in c) for c in row) for row in cells)
+            seeds = tuple(int(s) for s in doc.get("seeds", ()))
+            return cls(topk_ratios=rs, update_intervals=us, ratios=ratios, task=str(doc.get("task", "")),
+                       command=str(doc.get("command", "")), seeds=seeds, source=source,
+                       measured=dict(doc.get("measured", {})))
+        except QualityTableError as exc:
+            raise QualityTableError(f"{where}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # ragged lists, strings where numbers belong, zip(strict=True)
+            raise QualityTableError(f"{where}: malformed grid ({exc})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, "task": self.task, "command": self.command,
+                "topk_ratios": list(self.topk_ratios), "update_intervals": list(self.update_intervals),
+                "seeds": list(self.seeds), "ratio": [[list(c) for c in row] for row in self.ratios],
+                "measured": self.measured}
+
+    # ------------------------------------------------------------------ the model
+
+    def mean(self, i: int, j: int) -> float:
+        cell = self.ratios[i][j]
+        return sum(cell) / len(cell)
+
+    def spread(self, i: int, j: int) -> tuple[float, float]:
+        """(min, max) over seeds at a grid point."""
+        return min(self.ratios[i][j]), max(self.ratios[i][j])
+
+    def covers(self, topk_ratio: float, update_interval: int) -> bool:
+        """Whether ``(r, U)`` lies in the measured range (``r = 1``, plain AdamW, always does)."""
+        if topk_ratio >= 1.0:
+            return True
+        return (self.topk_ratios[0] * (1 - 1e-9) <= topk_ratio
+                and self.update_intervals[0] <= update_interval <= self.update_intervals[-1])
+
+    def _interpolate(self, topk_ratio: float, update_interval: int, value) -> float | None:
+        if not self.covers(topk_ratio, update_interval):
+            return None
+        if topk_ratio >= 1.0:
+            return 1.0
+        # r = 1 is plain AdamW (DESIGN §3), ratio 1 exactly: an anchor row above the measured ones.
+        log_r = [math.log(r) for r in self.topk_ratios] + [0.0]
+        log_u = [math.log(u) for u in self.update_intervals]
+
+        def at(i: int, j: int) -> float:
+            return 1.0 if i == len(self.topk_ratios) else value(i, j)
+
+        def bracket(axis: list[float], x: float) -> tuple[int, int, float]:
+            k = min(max(bisect.bisect_right(axis, x) - 1, 0), len(axis) - 1)
+            if k == len(axis) - 1 or axis[k + 1] == axis[k]:
+                return k, k, 0.0
+            return k, k + 1, min(1.0, max(0.0, (x - axis[k]) / (axis[k + 1] - axis[k])))
+
+        i0, i1, a = bracket(log_r, math.log(max(topk_ratio, self.topk_ratios[0])))
+        j0, j1, b = bracket(log_u, math.log(update_interval))
+        return ((1 - a) * ((1 - b) * at(i0, j0) + b * at(i0, j1))
+                + a * ((1 - b) * at(i1, j0) + b * at(i1, j1)))
+
+    def predict(self, topk_ratio: float, update_interval: int) -> float | None:
+        """Predicted loss ratio vs AdamW (mean over seeds, interpolated); None outside the measured range."""
+        return self._interpolate(topk_ratio, update_interval, self.mean)
+
+    def predict_spread(self, topk_ratio: float, update_interval: int) -> tuple[float, float] | None:
+        """(min, max) over seeds, interpolated like :meth:`predict`; None outside the measured range."""
+        lo = self._interpolate(topk_ratio, update_interval, lambda i, j: self.spread(i, j)[0])
+        hi = self._interpolate(topk_ratio, update_interval, lambda i, j: self.spread(i, j)[1])
+        return None if lo is None or hi is None else (lo, hi)
+
+    def ratio_spread(self, topk_ratio: float, update_interval: int) -> tuple[float, float]:
+        """(min, max) over seeds at a grid point; KeyError if ``(r, U)`` is not one."""
+        try:
+            i, j = self.topk_ratios.index(topk_ratio), self.update_intervals.index(update_interval)
+        except ValueError:
+            raise KeyError((topk_ratio, update_interval)) from None
+        return self.spread(i, j)
+
+    @property
+    def describe(self) -> str:
+        """One line: what the table measured and where it came from."""
+        n = len(self.ratios[0][0])
+        return (f"{self.source or 'quality table'}: {len(self.topk_ratios)}x{len(self.update_intervals)} grid, "
+                f"{n} seed{'s' if n != 1 else ''}" + (f"; {self.task}" if self.task else ""))
+
+    def render(self) -> str:
+        """The table as text: mean ratio and (min-max) over seeds, r down, U across."""
+        lines = [f"loss ratio vs AdamW at equal steps, mean (min-max over {len(self.ratios[0][0])} seeds)"]
+        if self.task:
+            lines.append(f"  task: {self.task}")
+        corner = "r \\ U"
+        lines.append(f"  {corner:>7}" + "".join(f"{u:>20}" for u in self.update_intervals))
+        for i, r in enumerate(self.topk_ratios):
+            cells = []
+            for j in range(len(self.update_intervals)):
+                lo, hi = self.spread(i, j)
+                cells.append(f"{self.mean(i, j):.3f} ({lo:.3f}-{hi:.3f})")
+            lines.append(f"  {r:>7g}" + "".join(f"{c:>20}" for c in cells))
+        if self.command:
+            lines.append(f"  regenerate: {self.command}")
+        return "\n".join(lines)
+
+
+def load_quality_table(path: str | Path | None = None) -> QualityTable:
+    """The table at ``path`` (JSON, format: module docstring), or the shipped one when ``path`` is None."""
+    if path is None:
+        try:
+            text = resources.files(__package__).joinpath(DEFAULT_TABLE).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise QualityTableError(f"the shipped quality table {DEFAULT_TABLE} is missing: {exc}") from None
+        source = f"shipped: {DEFAULT_TABLE}"
+    else:
+        source = str(path)
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except OSError as exc:
+            raise QualityTableError(f"cannot read quality table {path}: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise QualityTableError(f"{source}: not JSON ({exc})") from None
+    return QualityTable.from_dict(doc, source=source)
+
+
+@functools.lru_cache(maxsize=1)
+def default_quality_table() -> QualityTable:
+    """The shipped table, read once per process."""
+    return load_quality_table()

@@ -1,0 +1,109 @@
+""""auto" as the optimizer sees it: the plan is announced in one line, once, and stats() keeps its fields and reason."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from autotune_profiles import synthetic_profile
+
+import zenflow_triton.autotune as autotune
+from zenflow_triton.auto import Knobs, announce
+from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
+from zenflow_triton.autotune.model import DEFAULT_MAX_LOSS_RATIO
+from zenflow_triton.config import ZenFlowConfig
+
+SHAPES = [(256, 1024)] * 4
+
+
+@pytest.fixture
+def planned_with_synthetic_profile(monkeypatch):
+    """Knobs.resolve plans from the synthetic profile instead of looking for this machine's."""
+    real = autotune.plan_for_optimizer
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return real(profile=synthetic_profile(), **kw)
+
+    monkeypatch.setattr(autotune, "plan_for_optimizer", fake)
+    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
+    return calls
+
+
+def stats(windows: int = 0, stall_s: float = 0.0) -> SimpleNamespace:
+    """What Knobs.report reads of the optimizer's counters (zenflow_triton.pipeline.Stats)."""
+    return SimpleNamespace(windows=windows, stall_s=stall_s, windows_at_plan=0, stall_at_plan=0.0)
+
+
+def resolved_knobs(**config) -> Knobs:
+    knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto", **config))
+    for t in (0.0, 0.05, 0.10):  # three steps of 50 ms between step() calls
+        knobs.sample_step_time(t, torch.device("cpu"))
+        knobs.step_ended(t)
+    knobs.resolve(offloaded_shapes=SHAPES, param_dtype=torch.float32, device=torch.device("cpu"))
+    return knobs
+
+
+def test_auto_announces_its_choice_once_and_stats_keep_the_reason(planned_with_synthetic_profile, caplog):
+    with caplog.at_level(logging.INFO, logger="zenflow_triton.auto"):
+        knobs = resolved_knobs()
+        knobs.resolve(offloaded_shapes=SHAPES, param_dtype=torch.float32, device=torch.device("cpu"))  # no-op now
+    records = [r for r in caplog.records if r.name == "zenflow_triton.auto"]
+    assert len(records) == 1
+    line = records[0].getMessage()
+    plan = knobs.plan
+    assert "\n" not in line
+    assert line.startswith(f"chose topk_ratio={plan.topk_ratio:g} update_interval={plan.update_interval} ")
+    assert f"predicted loss {plan.predicted_loss_ratio:.3f}x AdamW (budget {DEFAULT_MAX_LOSS_RATIO:g})" in line
+    # The optimizer plans with the default budget: ZenFlowAdamW's constructor has no such argument.
+    assert "max_loss_ratio" not in planned_with_synthetic_profile[0]
+    report = knobs.report(stats(windows=4, stall_s=0.02))
+    assert report["auto_reason"] == plan.reason and len(plan.reason.splitlines()) >= 3
+    assert report["predicted_loss_ratio"] == plan.predicted_loss_ratio <= DEFAULT_MAX_LOSS_RATIO
+    assert report["predicted_stall_per_window_s"] == plan.predicted_stall_s
+    assert report["measured_stall_per_window_s"] == pytest.approx(0.005)
+    assert report["measured_step_time_s"] == pytest.approx(0.05)
+    assert "topk_ratio" not in report  # the knobs in use come from the optimizer's own entries
+
+
+def test_fixed_knobs_make_no_plan_and_say_nothing(caplog):
+    knobs = Knobs(ZenFlowConfig(topk_ratio=0.1, update_interval=4))
+    with caplog.at_level(logging.DEBUG, logger="zenflow_triton"):
+        knobs.resolve(offloaded_shapes=SHAPES, param_dtype=torch.float32, device=torch.device("cpu"))
+    assert knobs.plan is None and knobs.report(stats()) == {} and not caplog.records
+
+
+def test_announce_writes_to_stderr_only_when_logging_is_not_configured():
+    # A fresh interpreter: pytest's own handlers would hide the case that matters, an unconfigured application.
+    script = textwrap.dedent("""
+        import logging, sys
+        from zenflow_triton.auto import announce
+        announce("one")                                   # nothing configured: one line on stderr
+        logging.getLogger("zenflow_triton").setLevel(logging.WARNING)
+        announce("silenced by the library's level")
+        logging.getLogger("zenflow_triton").setLevel(logging.NOTSET)
+        logging.disable(logging.INFO)
+        announce("silenced by logging.disable")
+        logging.disable(logging.NOTSET)
+        logging.basicConfig(level=logging.WARNING, format="LOG %(name)s %(message)s", stream=sys.stdout)
+        announce("below the application's level")        # configured: the application decides
+        logging.getLogger().setLevel(logging.INFO)
+        announce("two")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "zenflow_triton.auto: one\n"
+    assert proc.stdout == "LOG zenflow_triton.auto two\n"
+
+
+def test_announce_goes_through_a_configured_logger(caplog):
+    log = logging.getLogger("zenflow_triton.auto")
+    with caplog.at_level(logging.INFO, logger="zenflow_triton.auto"):
+        announce("through logging", log)
+    assert [r.getMessage() for r in caplog.records] == ["through logging"]

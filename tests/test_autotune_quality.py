@@ -1,0 +1,121 @@
+"""The quality table: the shipped one, the loader's checks, and the interpolation the chooser relies on."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from zenflow_triton.autotune.quality import (
+    DEFAULT_TABLE,
+    QualityTable,
+    QualityTableError,
+    default_quality_table,
+    load_quality_table,
+)
+
+RS = [0.02, 0.05, 0.1, 0.25, 0.5]
+US = [1, 2, 4, 8, 16]
+
+
+def doc(**over) -> dict:
+    """A 5 x 5 table, two seeds, ratio 1 + 0.01 * (1 + log2 U) * sqrt(0.1 / r), seeds 0.005 apart."""
+    ratio = [[[1 + 0.01 * (1 + math.log2(u)) * math.sqrt(0.1 / r) + d for d in (-0.0025, 0.0025)] for u in US]
+             for r in RS]
+    return {"topk_ratios": RS, "update_intervals": US, "ratio": ratio, "task": "synthetic", **over}
+
+
+def test_the_shipped_table_is_measured_and_says_how_to_regenerate_it():
+    table = default_quality_table()
+    assert table.source == f"shipped: {DEFAULT_TABLE}"
+    assert len(table.topk_ratios) >= 5 and len(table.update_intervals) >= 5
+    assert len(table.ratios[0][0]) >= 3  # seeds
+    assert "bench/quality_table.py" in table.command and table.task
+    means = [table.mean(i, j) for i in range(len(table.topk_ratios)) for j in range(len(table.update_intervals))]
+    assert all(0.95 < m < 1.3 for m in means)
+    # The trend the chooser depends on, at the table's corners: the smallest ratio with the longest window is
+    # worse than the largest ratio with the shortest.
+    assert table.mean(0, -1) > table.mean(-1, 0) + 0.03
+    assert table is default_quality_table()  # read once per process
+
+
+def test_loss_and_adamw_loss_become_per_seed_ratios():
+    d = {"topk_ratios": [0.1], "update_intervals": [4], "loss": [[[2.2, 3.3]]], "adamw_loss": [2.0, 3.0]}
+    table = QualityTable.from_dict(d)
+    assert table.ratios[0][0] == pytest.approx((1.1, 1.1))
+    scalar = QualityTable.from_dict({"topk_ratios": [0.1], "update_intervals": [4], "ratio": [[1.04]]})
+    assert scalar.predict(0.1, 4) == pytest.approx(1.04) and scalar.spread(0, 0) == (1.04, 1.04)
+
+
+def test_a_table_round_trips_through_json(tmp_path):
+    table = QualityTable.from_dict(doc(), source="x")
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(table.to_dict()))
+    again = load_quality_table(path)
+    assert again.ratios == table.ratios and again.source == str(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"schema": 2}, "schema"),
+        ({"topk_ratios": [0.05, 0.02, 0.1, 0.25, 0.5]}, "ascending"),
+        ({"topk_ratios": [0.02, 0.05, 0.1, 0.25, 1.5]}, r"\(0, 1\)"),
+        ({"update_intervals": [1, 2, 4, 8, 16.5]}, "int"),
+        ({"update_intervals": []}, "non-empty"),
+        ({"ratio": [[1.0] * 5] * 4}, "5 x 5"),
+        ({"ratio": [[1.0, 1.0, 1.0, 1.0, -1.0]] * 5}, "positive"),
+        ({"ratio": [["a"] * 5] * 5}, "malformed"),
+        ({"ratio": None, "loss": [[[2.0]] * 5] * 5, "adamw_loss": [2.0, 2.0]}, "malformed"),  # seed count differs
+        ({"ratio": None}, "needs 'ratio'"),
+    ],
+)
+def test_malformed_tables_are_rejected_with_the_reason(change, message):
+    d = doc(**change)
+    if d.get("ratio", 0) is None:
+        del d["ratio"]
+    with pytest.raises(QualityTableError, match=message):
+        QualityTable.from_dict(d, source="mine.json")
+
+
+def test_unreadable_files_are_quality_table_errors(tmp_path):
+    with pytest.raises(QualityTableError, match="cannot read"):
+        load_quality_table(tmp_path / "absent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(QualityTableError, match="not JSON"):
+        load_quality_table(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(QualityTableError, match="JSON object"):
+        load_quality_table(bad)
+
+
+def test_predict_interpolates_in_log_r_and_log_u_and_never_extrapolates():
+    table = QualityTable.from_dict(doc())
+    for i, r in enumerate(RS):
+        for j, u in enumerate(US):
+            assert table.predict(r, u) == pytest.approx(table.mean(i, j))
+            assert table.ratio_spread(r, u) == pytest.approx((table.mean(i, j) - 0.0025, table.mean(i, j) + 0.0025))
+    # Between grid points: between the neighbours, and exactly halfway in log space.
+    mid = table.predict(math.sqrt(0.1 * 0.25), 4)
+    assert mid == pytest.approx((table.predict(0.1, 4) + table.predict(0.25, 4)) / 2)
+    assert table.predict(0.1, 3) == pytest.approx(
+        table.predict(0.1, 2) + (table.predict(0.1, 4) - table.predict(0.1, 2)) * math.log(1.5) / math.log(2))
+    # r = 1 is AdamW; between the largest measured ratio and 1 the ratio falls toward 1.
+    assert table.predict(1.0, 7) == 1.0
+    assert 1.0 < table.predict(0.7, 4) < table.predict(0.5, 4)
+    # Outside the measured range: unknown, never extrapolated.
+    assert table.predict(0.01, 4) is None and table.predict(0.1, 32) is None
+    assert not table.covers(0.1, 17) and table.covers(1.0, 64)
+    lo, hi = table.predict_spread(0.07, 5)
+    assert lo < table.predict(0.07, 5) < hi
+    with pytest.raises(KeyError):
+        table.ratio_spread(0.07, 4)
+
+
+def test_render_shows_mean_spread_and_the_command():
+    table = QualityTable.from_dict(doc(command="python bench/quality_table.py --out x.json"))
+    text = table.render()
+    assert "2 seeds" in text and "regenerate: python bench/quality_table.py" in text
+    assert f"{table.mean(2, 2):.3f} ({table.spread(2, 2)[0]:.3f}-{table.spread(2, 2)[1]:.3f})" in text
