@@ -15,34 +15,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from . import reference
 from .hyperparams import AdamHyperparams
+from .step_args import FusedStepArgs
 
 __all__ = ["DeviceOps", "FusedStepArgs", "load_device_ops"]
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class FusedStepArgs:
-    """One parameter's fused step, as :meth:`DeviceOps.fused_steps_` takes a batch of them: the arguments of
-    :meth:`DeviceOps.fused_step_`, same names and meaning (``check_slots`` is not offered: it syncs the device)."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    score: torch.Tensor
-    slot: torch.Tensor
-    col_step: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    acc: torch.Tensor
-    hp: AdamHyperparams
-    accumulate: bool
-    update_score: bool = True
 
 
 @runtime_checkable

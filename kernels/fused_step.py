@@ -36,7 +36,7 @@ from ._triton_utils import (
 from .hyperparams import AdamHyperparams, require_hyperparams
 
 if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run time
-    from .device_ops import FusedStepArgs
+    from .step_args import FusedStepArgs
 
 __all__ = ["fused_step_", "fused_steps_"]
 

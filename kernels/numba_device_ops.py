@@ -37,7 +37,7 @@ from ._numba_utils import adamw_elem, flat_view, load_grad, scalar_hyperparams, 
 from .hyperparams import AdamHyperparams, require_hyperparams
 
 if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run time
-    from .device_ops import FusedStepArgs
+    from .step_args import FusedStepArgs
 
 __all__ = ["column_sumsq_", "fused_step_", "fused_steps_", "merge_"]
 

@@ -33,7 +33,7 @@ from ._checks import (
 from .hyperparams import AdamHyperparams, require_hyperparams
 
 if TYPE_CHECKING:  # device_ops imports this module
-    from .device_ops import FusedStepArgs
+    from .step_args import FusedStepArgs
 
 __all__ = [
     "adam_update_",
