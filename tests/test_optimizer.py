@@ -747,3 +747,22 @@ def test_host_threads_follow_cpu_affinity(monkeypatch) -> None:
             opt.step()
         assert opt.stats()["cpu_threads"] == 1
     assert seen == [1, 1, 1]
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_host_threads_split_between_local_ranks(monkeypatch, bound: bool) -> None:
+    """torchrun's LOCAL_WORLD_SIZE ranks on one node share its cores: each defaults to its share (minus one core for
+    its training thread) unless the launcher bound it to cores of its own, which its affinity then shows."""
+    import numba
+
+    import zenflow_triton.worker as worker
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cores = set(range(4)) if bound else set(range(16))
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: cores, raising=False)
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 16)
+    assert worker.host_thread_share() == 4
+    assert worker.host_thread_limit() == (4 if bound else 16)
+    with ZenFlowAdamW([nn.Parameter(torch.randn(32, 128))]) as opt:
+        assert opt.stats()["cpu_threads"] == 3

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .config import ZenFlowConfig
-from .worker import host_thread_limit
+from .worker import host_thread_limit, host_thread_share
 
 __all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce"]
 
@@ -86,7 +86,7 @@ class Knobs:
         self.resolved = config.replace(
             topk_ratio=r if r == "auto" else float(r),
             select_interval=config.resolved_select_interval() if config.update_interval != "auto" else None,
-            cpu_threads=config.cpu_threads or max(1, limit - 1),
+            cpu_threads=config.cpu_threads or max(1, host_thread_share() - 1),
         )
         self.plan: Any = None
         self.step_time_samples: list[float] = []
@@ -152,7 +152,7 @@ class Knobs:
                                s, select, u)
         threads = self.resolved.cpu_threads
         if cfg.cpu_threads is None:
-            threads = max(1, min(int(plan.cpu_threads), host_thread_limit()))
+            threads = max(1, min(int(plan.cpu_threads), host_thread_share()))
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
                                               select_interval=select, cpu_threads=threads)
         loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"

@@ -13,21 +13,28 @@ The live layout (slab views, compact device state) is :mod:`.state`'s; this modu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 from .columns import matrix_shape
+from .sharding import is_sharded, to_local_rows, to_saved
 from .state import OffloadedParam
 
 __all__ = [
     "FORMAT",
+    "pack",
+    "plan_load",
+    "schedule_step",
+    "to_adamw_state_dict",
     "OFFLOADED_KEYS",
     "check_offloaded",
     "check_resident",
     "from_adamw",
     "is_adamw_entry",
+    "localize",
     "save_offloaded",
     "save_resident",
     "to_adamw",
@@ -46,15 +53,26 @@ _ADAMW_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 def save_offloaded(p: torch.Tensor, st: Mapping[str, Any], rec: OffloadedParam) -> dict[str, Any]:
-    """An offloaded parameter's live state as a format-2 entry: new CPU tensors (host work must be quiescent)."""
+    """An offloaded parameter's live state as a format-2 entry: new CPU tensors (host work must be quiescent). For a
+    sharded (FSDP2) parameter they are DTensors with its placement (this rank's rows; vectors replicated: they are
+    the same on every rank)."""
     selected = rec.masks.host_slot >= 0
     cols = torch.nonzero(selected).squeeze(1)
+    shape = (rec.rows, *p.shape[1:])  # this rank's rows (all of them when not sharded)
+    sharded = is_sharded(p)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        t = t.view(shape)
+        return to_saved(t, p, per_column=False) if sharded else t
+
+    def vector(t: torch.Tensor) -> torch.Tensor:
+        return to_saved(t, p, per_column=True) if sharded else t
 
     def full(host: torch.Tensor, compact: torch.Tensor) -> torch.Tensor:
         out = host.clone()
         if cols.numel():
             out[:, cols] = compact.cpu()  # the compact state is in column order: slot = rank among the selected
-        return out.view(p.shape)
+        return rows(out)
 
     col_step = st["host_col_step"].clone()
     col_step[cols] = st["col_step"].cpu()[cols]
@@ -63,13 +81,24 @@ def save_offloaded(p: torch.Tensor, st: Mapping[str, Any], rec: OffloadedParam) 
         "master": full(st["host_master"], st["master"]),
         "exp_avg": full(st["host_exp_avg"], st["exp_avg"]),
         "exp_avg_sq": full(st["host_exp_avg_sq"], st["exp_avg_sq"]),
-        "col_step": col_step,
-        "score": st["score"].cpu().clone(),
-        "selected": selected.clone(),
-        "acc": st["acc"].cpu().clone().view(p.shape),
+        "col_step": vector(col_step),
+        "score": vector(st["score"].cpu().clone()),
+        "selected": vector(selected.clone()),
+        "acc": rows(st["acc"].cpu().clone()),
         "acc_count": st["acc_count"],
         "pending": st["pending"],
     }
+
+
+def localize(p: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A checked format-2 entry as :func:`.state.load_offloaded` takes it: plain tensors of this rank's rows (a
+    sharded parameter's entry may hold DTensors of any placement, or whole tensors)."""
+    out = dict(entry)
+    for key in ("master", "exp_avg", "exp_avg_sq", "acc"):
+        out[key] = to_local_rows(entry[key], p, per_column=False)
+    for key in ("col_step", "score", "selected"):
+        out[key] = to_local_rows(entry[key], p, per_column=True)
+    return out
 
 
 def save_resident(st: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,3 +248,114 @@ def to_adamw(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
         "exp_avg": saved["exp_avg"].to(device=p.device, dtype=p.dtype).view(p.shape).clone(),
         "exp_avg_sq": saved["exp_avg_sq"].to(device=p.device, dtype=p.dtype).view(p.shape).clone(),
     }
+
+
+# ---------------------------------------------------------------------------------------------------- whole state_dicts
+
+Plan = list[tuple[torch.Tensor, Mapping[str, Any], bool]]
+
+
+def _index(param_groups: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """torch's numbering of the parameters in a state_dict: order of first appearance across the groups."""
+    index: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    return index
+
+
+def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[torch.Tensor, Mapping[str, Any]],
+         records: Mapping[torch.Tensor, OffloadedParam], zenflow: Mapping[str, Any]) -> dict[str, Any]:
+    """A state_dict as torch.optim packs one (parameters numbered by first appearance), entries in format 2, and
+    ``zenflow`` (knobs, schedule step) with the format number at the top and in every group."""
+    index = _index(param_groups)
+    zenflow = {**zenflow, "format": FORMAT}
+    groups = []
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [index[id(p)] for p in group["params"]]
+        packed["zenflow"] = dict(zenflow)
+        groups.append(packed)
+    entries = {index[id(p)]: (save_offloaded(p, st, records[p]) if p in records else save_resident(st))
+               for p, st in state.items()}
+    return {"state": entries, "param_groups": groups, "zenflow": zenflow}
+
+
+def plan_load(state_dict: Any, *, param_groups: Sequence[Mapping[str, Any]],
+              check_group: Callable[[Mapping[str, Any], str], Any], offloads: Callable[[torch.Tensor], bool],
+              min_offload_numel: int, knobs: Any) -> tuple[Mapping[str, Any] | None, Plan]:
+    """Validate ``state_dict`` against an optimizer (its groups, its group check, its offload decision, its
+    :class:`~zenflow_triton.auto.Knobs`) without changing anything. Returns its "zenflow" entry (None for
+    torch.optim.AdamW's) and, per state entry, (parameter, entry in format 2 or AdamW's, offloaded)."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups')")
+    saved_groups = state_dict["param_groups"]
+    if len(param_groups) != len(saved_groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, optimizer has "
+                         f"{len(param_groups)}")
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None and saved_groups and isinstance(saved_groups[0], Mapping):
+        zenflow = saved_groups[0].get("zenflow")  # torch.distributed.checkpoint keeps the groups, not extra keys
+    adamw = zenflow is None
+    if adamw and not all(is_adamw_entry(st) for st in state_dict["state"].values()):
+        raise ValueError("this state_dict was saved neither by a ZenFlowAdamW (it has no 'zenflow' entry) nor by "
+                         "torch.optim.AdamW (its entries are not step/exp_avg/exp_avg_sq)")
+    id_map, where_of = {}, {}
+    for gi, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(f"loaded state dict's group {gi} has {len(sg['params'])} parameters, the optimizer's has "
+                             f"{len(g['params'])}")
+        check_group(sg, f"loaded state dict's group {gi}")
+        for pi, (sid, p) in enumerate(zip(sg["params"], g["params"])):
+            id_map[sid] = p
+            where_of[sid] = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+    fmt = None if adamw else zenflow.get("format", 1)
+    if fmt not in (None, 1, FORMAT):
+        raise ValueError(f"loaded state dict has checkpoint format {fmt!r}; this version reads formats 1 and {FORMAT}")
+    plan: Plan = []
+    for sid, saved in state_dict["state"].items():
+        if sid not in id_map:
+            raise ValueError(f"loaded state dict has state for parameter id {sid!r}, which no group lists")
+        p, where = id_map[sid], where_of[sid]
+        offloaded = offloads(p)
+        if adamw:
+            check_resident(p, saved, where)
+            plan.append((p, from_adamw(p, saved, offloaded=offloaded), offloaded))
+            continue
+        saved_offloaded = isinstance(saved, Mapping) and ("host_master" in saved or "selected" in saved)
+        if offloaded != saved_offloaded:
+            this = "offloads" if offloaded else "keeps resident"
+            saved_as = "an offloaded" if saved_offloaded else "a resident"
+            raise ValueError(f"{where}: this optimizer {this} it (min_offload_numel={min_offload_numel}) but the "
+                             f"saved state is {saved_as} one: saved with another min_offload_numel?")
+        if offloaded:
+            entry = upgrade_v1(p, saved, where) if fmt == 1 else saved
+            check_offloaded(p, entry, where)
+        else:
+            check_resident(p, saved, where)
+            entry = saved
+        plan.append((p, entry, offloaded))
+    if zenflow is not None:
+        copy.copy(knobs).load_state_dict(zenflow)  # raises on invalid knobs, changing nothing here
+        step = zenflow.get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"loaded state dict's 'zenflow' step is {step!r}, expected an int >= 0")
+    return zenflow, plan
+
+
+def schedule_step(zenflow: Mapping[str, Any], plan: Plan) -> int:
+    """The schedule's step count of a checkpoint; format 1 before it was recorded counted each parameter's own
+    steps, so its offloaded parameters' largest count is the schedule's."""
+    step = zenflow.get("step")
+    if step is not None:
+        return int(step)
+    return max((int(saved["step"]) for _, saved, offloaded in plan if offloaded), default=0)
+
+
+def to_adamw_state_dict(sd: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A state_dict of this library (format 2, after a flush) as torch.optim.AdamW's (see :func:`to_adamw`)."""
+    index = _index(param_groups)
+    by_index = {index[id(p)]: p for group in param_groups for p in group["params"]}
+    groups: list[MutableMapping[str, Any]] = [{k: v for k, v in g.items() if k != "zenflow"}
+                                              for g in sd["param_groups"]]
+    return {"state": {i: to_adamw(by_index[i], entry) for i, entry in sd["state"].items()}, "param_groups": groups}

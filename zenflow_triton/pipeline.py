@@ -29,8 +29,9 @@ import torch
 from .config import ZenFlowConfig
 from .host_memory import HostSlab
 from .kernels import AdamHyperparams, DeviceOps, load_device_ops
+from .sharding import local
 from .state import DEVICE_KEYS, OffloadedParam, allocate, init_offloaded, load_offloaded
-from .worker import HostWorker, WorkerError, host_thread_limit
+from .worker import HostWorker, WorkerError, host_thread_share
 
 __all__ = ["HostItem", "Pipeline", "Stats", "Window", "run_host_job"]
 
@@ -61,6 +62,20 @@ class Stats:
     stall_at_plan: float = 0.0
     windows_at_plan: int = 0
     compile_s: float = 0.0  # the host kernels' first load (numba compiles them once per machine), not stall
+
+    def record_selection(self, picks: Sequence[Any], *, measured: bool) -> None:
+        """Count one selection step from its per-parameter :class:`~zenflow_triton.columns.Reselection`\\ s
+        (``measured``: whether scores were kept; with topk_ratio=0 nothing is selected, whatever the energy)."""
+        self.selections += 1
+        self.d2h_bytes += sum(sel.d2h_bytes for sel in picks)
+        self.h2d_bytes += sum(sel.h2d_bytes for sel in picks)
+        energy_all = sum(sel.energy_all for sel in picks)
+        energy_sel = sum(sel.energy_selected for sel in picks)
+        if not measured:
+            self.selected_energy_fraction = 0.0
+        else:
+            self.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
+        self.columns_changed_last_selection = sum(sel.columns_changed for sel in picks)
 
 
 @dataclass(frozen=True)
@@ -221,6 +236,34 @@ class Pipeline:
             self._copy_stream = None
             self._job = None
 
+    def report(self) -> dict[str, Any]:
+        """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
+        parameter's rows here); ``offloaded_params`` counts whole parameters."""
+        s, records, slabs = self.stats, self.records, self.slabs
+        total_cols = sum(rec.cols for rec in records.values())
+        selected_cols = sum(rec.cols - rec.masks.num_unselected for rec in records.values())
+        local_numel = sum(rec.rows * rec.cols for rec in records.values())
+        host_bytes = sum(slab.nbytes for slab in slabs)
+        return {
+            "steps": s.steps,
+            "windows": s.windows,
+            "selections": s.selections,
+            "stall_s": s.stall_s,
+            "host_job_s": s.host_job_s,
+            "device_opt_s": s.device_opt_s,
+            "compile_s": s.compile_s,
+            "d2h_bytes": s.d2h_bytes,
+            "h2d_bytes": s.h2d_bytes,
+            "selected_fraction": selected_cols / total_cols if total_cols else 0.0,
+            "selected_energy_fraction": s.selected_energy_fraction,
+            "columns_changed_last_selection": s.columns_changed_last_selection,
+            "pinned_bytes": sum(slab.nbytes for slab in slabs if slab.pinned),
+            "host_bytes": host_bytes,
+            "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
+            "offloaded_params": sum(p.numel() for p in records),
+            "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
+        }
+
     # ------------------------------------------------------------------ host state
 
     def add(self, params: Sequence[torch.Tensor], state: State) -> None:
@@ -275,10 +318,11 @@ class Pipeline:
         write state through ``load_state_dict()``."""
         for p, rec in self.records.items():
             st = state[p]
-            if rec.master_is_param and rec.host["host_master"].data_ptr() != p.data_ptr():
+            data = local(p)
+            if rec.master_is_param and rec.host["host_master"].data_ptr() != data.data_ptr():
                 # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
                 # plain torch optimizer would read them, instead of updates landing in memory the model let go.
-                rec.host["host_master"] = p.detach().view(rec.rows, rec.cols)
+                rec.host["host_master"] = data.detach().view(rec.rows, rec.cols)
             for key, home in rec.host.items():
                 if st[key] is not home:
                     st[key] = home
@@ -316,7 +360,7 @@ class Pipeline:
         # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
         threads = cpu_threads
         if sync and self.config.cpu_threads is None:
-            threads = max(threads, host_thread_limit())
+            threads = max(threads, host_thread_share())
         try:
             future = self.worker.submit(run_host_job, items, ready, threads)
         except WorkerError as exc:
@@ -324,6 +368,23 @@ class Pipeline:
             raise
         self._job = future
         if sync:
+            self.wait(state, merge=True)
+
+    def end_open_windows(self, state: State, hp_of: Any, *, cpu_threads: int) -> None:
+        """``flush()``: end every open window now, with the mean of the gradients it holds (``hp_of(p)``: the
+        parameter's hyperparameters now), wait for all host work and merge every result."""
+        windows = []
+        for p, rec in self.records.items():
+            st = state[p]
+            if st["acc_count"] == 0:
+                continue
+            if rec.masks.num_unselected:
+                windows.append(Window(p, hp_of(p)))
+            else:
+                st["acc_count"] = 0
+        if windows:
+            self.end_windows(windows, state, sync=True, cpu_threads=cpu_threads)
+        else:
             self.wait(state, merge=True)
 
     def _ship_sums(self, windows: Sequence[Window], state: State) -> torch.cuda.Event:
@@ -372,7 +433,7 @@ class Pipeline:
         if w.grad is not None:
             grad, count = w.grad, 1
             # The kernel writes the parameter: through the master itself, or as the snapshot it rounds into.
-            snapshot = None if rec.master_is_param else p.detach().view(rec.rows, rec.cols)
+            snapshot = None if rec.master_is_param else local(p).detach().view(rec.rows, rec.cols)
         elif ready is not None:
             grad, count = rec.landing, st["acc_count"]
             rec.d2h_done = ready
@@ -441,7 +502,7 @@ class Pipeline:
 
     def _merge(self, p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> None:
         source = rec.snapshot if rec.snapshot is not None else st["host_master"]
-        w2 = p.view(rec.rows, rec.cols)
+        w2 = local(p).view(rec.rows, rec.cols)
         ops = self.device_ops(p.device)
         if p.device.type == "cuda":
             numel = source.numel()

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from .columns import ColumnMasks, matrix_shape
+from .columns import ColumnMasks
 from .host_memory import HostSlab
+from .sharding import like_param, local, local_matrix_shape, shard_group
 
 __all__ = [
     "DEVICE_KEYS",
@@ -59,6 +60,16 @@ class OffloadedParam:
     # The state's host entries (HOST_KEYS) as allocated: slab views, or the parameter itself for the master when
     # ``master_is_param``. ``Pipeline.rehome`` points ``state[p]`` back at them after a state mover replaced them.
     host: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The process group over which a sharded (FSDP2) parameter's rows are split; None for a plain tensor.
+    group: Any = None
+    _score_delta: torch.Tensor | None = None
+
+    def score_delta(self) -> torch.Tensor:
+        """A sharded parameter's per-step buffer for its local column scores, summed over ``group`` before it is
+        added to ``score`` (allocated at first use, on the device)."""
+        if self._score_delta is None:
+            self._score_delta = torch.zeros(self.cols, dtype=torch.float32, device=self.masks.selected.device)
+        return self._score_delta
 
 
 def allocate(
@@ -74,7 +85,7 @@ def allocate(
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
     alias = [p.device.type == "cpu" and p.dtype == torch.float32 and not overlap for p in params]
     for p, own_master in zip(params, alias):
-        rows, cols = matrix_shape(p)
+        rows, cols = local_matrix_shape(p)
         requests += [((rows, cols), torch.float32)] * (2 if own_master else 3)
         requests += [((cols,), torch.int32), ((rows, cols), grad_dtype)]
         if p.dtype != torch.float32:
@@ -84,16 +95,16 @@ def allocate(
     views = iter(slab.views)
     records: dict[torch.Tensor, OffloadedParam] = {}
     for p, own_master in zip(params, alias):
-        rows, cols = matrix_shape(p)
+        rows, cols = local_matrix_shape(p)
         st = state[p] = {}
-        st["host_master"] = p.detach().view(rows, cols) if own_master else next(views)
+        st["host_master"] = local(p).detach().view(rows, cols) if own_master else next(views)
         st["host_exp_avg"], st["host_exp_avg_sq"] = next(views), next(views)
         st["host_col_step"] = next(views)
         landing = next(views)
         snapshot = next(views) if p.dtype != torch.float32 else None
         records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
                                     masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
-                                    host={key: st[key] for key in HOST_KEYS})
+                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p))
     return slab, records
 
 
@@ -103,7 +114,7 @@ def init_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> 
     dev = p.device
     st["step"] = 0
     if not rec.master_is_param:
-        st["host_master"].copy_(p.detach().view(rows, cols))
+        st["host_master"].copy_(local(p).detach().view(rows, cols))
     st["host_exp_avg"].zero_()
     st["host_exp_avg_sq"].zero_()
     st["host_col_step"].zero_()
@@ -156,5 +167,5 @@ def load_resident(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
     """A resident parameter's AdamW state onto ``p``'s device and dtype (as torch converts it); ``step`` an int."""
     step = saved["step"]
     return {"step": int(step.item()) if isinstance(step, torch.Tensor) else int(step),
-            "exp_avg": saved["exp_avg"].to(device=p.device, dtype=p.dtype),
-            "exp_avg_sq": saved["exp_avg_sq"].to(device=p.device, dtype=p.dtype)}
+            "exp_avg": like_param(saved["exp_avg"], p).to(device=p.device, dtype=p.dtype),
+            "exp_avg_sq": like_param(saved["exp_avg_sq"], p).to(device=p.device, dtype=p.dtype)}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["HostWorker", "WorkerError", "host_thread_limit"]
+__all__ = ["HostWorker", "WorkerError", "host_thread_limit", "host_thread_share"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -37,6 +37,24 @@ def host_thread_limit() -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(cores, numba.config.NUMBA_NUM_THREADS))
+
+
+def host_thread_share() -> int:
+    """This process's share of :func:`host_thread_limit`: all of it, unless several processes of one job share the
+    node without being bound to cores of their own (``LOCAL_WORLD_SIZE`` > 1, as torchrun sets it, and an affinity
+    that covers every core); then an equal split, so that the ranks' host jobs do not oversubscribe the node."""
+    limit = host_thread_limit()
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    if local <= 1:
+        return limit
+    try:
+        bound = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+    except AttributeError:  # not on Linux: no affinity to tell
+        bound = False
+    return limit if bound else max(1, limit // local)
 
 
 class WorkerError(RuntimeError):
