@@ -169,9 +169,8 @@ def store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, sums, SC
 
 
 @triton.jit
-def _add_partials_kernel(score_ptr, partial_ptr, C, SPLITS, BLOCK: tl.constexpr):
+def _add_partials_block(score_ptr, partial_ptr, cols, C, SPLITS):
     # Split order is fixed (0, 1, ...): this is what makes the cross-split reduction deterministic, unlike atomics.
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
     ptrs = partial_ptr + cols
     total = tl.load(ptrs, mask=mask, other=0.0)
@@ -181,6 +180,11 @@ def _add_partials_kernel(score_ptr, partial_ptr, C, SPLITS, BLOCK: tl.constexpr)
         total += tl.load(ptrs, mask=mask, other=0.0)
     old = tl.load(score_ptr + cols, mask=mask, other=0.0)
     tl.store(score_ptr + cols, old + total, mask=mask)
+
+
+@triton.jit
+def _add_partials_kernel(score_ptr, partial_ptr, C, SPLITS, BLOCK: tl.constexpr):
+    _add_partials_block(score_ptr, partial_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), C, SPLITS)
 
 
 # Columns per program of the partial-sum reduction: it reads splits x 4 bytes per column and is tiny next to the
@@ -199,7 +203,7 @@ def add_partials_(score: torch.Tensor, partials: torch.Tensor) -> None:
 @triton.jit
 def _add_partials_grouped_kernel(table_ptr, n_calls, BLOCK: tl.constexpr):
     # _add_partials_kernel for each row of the table (first program, score address, partials address, C, splits):
-    # the same loads and adds in the same order, so the same sums bit for bit.
+    # the same block function, so the same sums bit for bit.
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + n_calls
@@ -214,15 +218,8 @@ def _add_partials_grouped_kernel(table_ptr, n_calls, BLOCK: tl.constexpr):
     partial_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     C = tl.load(row + 3).to(tl.int32)
     SPLITS = tl.load(row + 4).to(tl.int32)
-    cols = (pid - tl.load(row).to(tl.int32)) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < C
-    ptrs = partial_ptr + cols
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for _ in range(1, SPLITS):
-        ptrs += C
-        total += tl.load(ptrs, mask=mask, other=0.0)
-    old = tl.load(score_ptr + cols, mask=mask, other=0.0)
-    tl.store(score_ptr + cols, old + total, mask=mask)
+    _add_partials_block(score_ptr, partial_ptr, (pid - tl.load(row).to(tl.int32)) * BLOCK + tl.arange(0, BLOCK), C,
+                        SPLITS)
 
 
 def add_partials_grouped_(table: torch.Tensor, n_calls: int, programs: int) -> None:

@@ -29,6 +29,15 @@ def init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def finish() -> None:
+    """End a rank that succeeded: leave together, then exit without running interpreter teardown, where the
+    process group's and numba's native threads have aborted a rank now and then ("terminate called without an
+    active exception", SIGABRT) after everything had passed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def full_params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
@@ -129,7 +138,7 @@ def exact_run(rank: int, world: int, port: int, out: str) -> None:
     assert stats["offloaded_params"] == sum(p.numel() for n, p in holder.named_parameters() if n != "bias")
     assert stats["host_bytes"] < 24 * mine + 4096, (stats["host_bytes"], mine)
     opt.close()
-    dist.destroy_process_group()
+    finish()
 
 
 def resume_run(rank: int, world: int, port: int, out: str) -> None:
@@ -152,7 +161,7 @@ def resume_run(rank: int, world: int, port: int, out: str) -> None:
         opt.flush()
         assert_equal(gathered(holder), want, f"resumed after step {at + 1} on {world} ranks")
         opt.close()
-    dist.destroy_process_group()
+    finish()
 
 
 def hsdp_run(rank: int, world: int, port: int, out: str) -> None:
@@ -169,7 +178,7 @@ def hsdp_run(rank: int, world: int, port: int, out: str) -> None:
     opt.flush()
     assert_equal(gathered(holder), single_process(STEPS), f"HSDP on a (2, {world // 2}) mesh vs one process")
     opt.close()
-    dist.destroy_process_group()
+    finish()
 
 
 def placement_errors(rank: int, world: int, port: int, out: str) -> None:
@@ -186,7 +195,7 @@ def placement_errors(rank: int, world: int, port: int, out: str) -> None:
         assert "parameter 0 of shape (8, 64)" in str(exc) and "Shard(dim=1)" in str(exc), str(exc)
     else:
         raise AssertionError("a Shard(1) parameter was accepted")
-    dist.destroy_process_group()
+    finish()
 
 
 class MLP(nn.Module):
@@ -237,11 +246,11 @@ def model_run(rank: int, world: int, port: int, out: str) -> None:
             if isinstance(o, ZenFlowAdamW):
                 o.flush()
                 o.close()
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        gaps[name] = max(float((full[n] - p).abs().max()) for n, p in single.named_parameters())
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        gaps[name] = max(float((full[n] - p.detach()).abs().max()) for n, p in single.named_parameters())
     if rank == 0:
         torch.save(gaps, Path(out) / "model_gaps.pt")
-    dist.destroy_process_group()
+    finish()
 
 
 def ddp_run(rank: int, world: int, port: int, out: str) -> None:
@@ -261,7 +270,7 @@ def ddp_run(rank: int, world: int, port: int, out: str) -> None:
         dist.all_gather(others, p.detach())
         assert all(torch.equal(o, p) for o in others), "DDP ranks differ"
     opt.close()
-    dist.destroy_process_group()
+    finish()
 
 
 def readme_run(rank: int, world: int, port: int, out: str) -> None:
@@ -275,3 +284,4 @@ def readme_run(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     code = code.replace("/tmp/zenflow_fsdp_ckpt", str(Path(out) / "readme_ckpt"))
     exec(compile(code, "README.md torchrun example", "exec"), {"__name__": "__main__"})
+    os._exit(0)  # see finish(); the example destroyed its process group itself

@@ -25,14 +25,17 @@ JOB_DELAY_S = 0.4
 
 @pytest.fixture
 def slow_host_jobs(monkeypatch):
-    """Host jobs that take JOB_DELAY_S longer, so that step() at a window end waits for them."""
+    """Host jobs that take JOB_DELAY_S longer (or what the test sets in the returned dict), so that step() at a
+    window end waits for them."""
     original = zpipe.run_host_job
+    delay = {"s": JOB_DELAY_S}
 
     def slow(*args):
-        time.sleep(JOB_DELAY_S)
+        time.sleep(delay["s"])
         return original(*args)
 
     monkeypatch.setattr(zpipe, "run_host_job", slow)
+    return delay
 
 
 def _make(model: Net, overlap: bool) -> tuple[ZenFlowAdamW, torch.optim.lr_scheduler.LRScheduler]:
@@ -141,6 +144,9 @@ def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_job
 
 
 def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(slow_host_jobs) -> None:
+    # Both interrupts must land in the wait (the second one propagates at once; were the first one raised by a
+    # finished step before the second arrived, the second would land outside this test's handler): long jobs.
+    slow_host_jobs["s"] = 2.5
     model = Net()
     opt, sched = _make(model, True)
     _train(model, opt, sched, range(INTERRUPT_AT))
@@ -150,6 +156,7 @@ def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(slow
     with pytest.raises(KeyboardInterrupt):
         opt.step()
         time.sleep(5)
+    slow_host_jobs["s"] = 0.0
     # Not necessarily the uninterrupted trajectory (the step was cut short), but nothing is refused or lost.
     opt.flush()
     sd = opt.state_dict()

@@ -766,3 +766,24 @@ def test_host_threads_split_between_local_ranks(monkeypatch, bound: bool) -> Non
     assert worker.host_thread_limit() == (4 if bound else 16)
     with ZenFlowAdamW([nn.Parameter(torch.randn(32, 128))]) as opt:
         assert opt.stats()["cpu_threads"] == 3
+
+
+def test_first_host_kernel_load_is_announced_and_not_stall(monkeypatch, caplog) -> None:
+    """The worker loads (on a machine's first run: compiles) the numba host kernels while the device works; a slow
+    load is said once, and its time is compile_s, not stall."""
+    import logging
+
+    monkeypatch.setattr(zpipe, "_host_kernels_requested", False)
+    monkeypatch.setattr(zpipe, "_COMPILE_NOTICE_S", 0.0)  # any load counts as slow here: the cache is warm
+    model = Net()
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, update_interval=2) as opt:
+            for i in range(6):
+                opt.zero_grad()
+                loss_fn(model, i).backward()
+                opt.step()
+            stats = opt.stats()
+    notices = [r for r in caplog.records if "compiled the numba host kernels" in r.getMessage()]
+    assert len(notices) == 1
+    assert stats["compile_s"] > 0
+    assert stats["windows"] == 3
