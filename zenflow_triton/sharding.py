@@ -127,9 +127,17 @@ def to_saved(t: torch.Tensor, p: torch.Tensor, *, per_column: bool) -> torch.Ten
     vector replicated), so ``torch.distributed.checkpoint`` can load it on another world size."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    mesh = p.device_mesh
     if per_column:
-        return DTensor.from_local(t, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        saved = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    else:
+        saved = DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    if saved.device != t.device:
+        # from_local moved the host tensor to the mesh's device (the GPU): bring it back at once, as
+        # torch.distributed.checkpoint's own cpu_offload does, so the device holds one weight's local rows at a time,
+        # never the whole host state.
+        saved = saved.to(t.device)
+    return saved
 
 
 def to_local_rows(t: torch.Tensor, p: torch.Tensor, *, per_column: bool) -> torch.Tensor:
