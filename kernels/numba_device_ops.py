@@ -394,9 +394,7 @@ def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
     """:func:`fused_step_` for each call, in order. On CPU tensors there is no launch to save: each call already
     runs its rows in parallel, and a loop costs what the per-parameter calls cost."""
     for c in calls:
-        fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
-                    exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                    update_score=c.update_score)
+        c.apply(fused_step_)
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:

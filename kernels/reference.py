@@ -177,9 +177,7 @@ def fused_step_(
 def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
     """:func:`fused_step_` for each call, in order: the definition of the batched op."""
     for c in calls:
-        fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
-                    exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                    update_score=c.update_score)
+        c.apply(fused_step_)
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:

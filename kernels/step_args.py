@@ -3,6 +3,7 @@ that the interface (device_ops.py) and its implementations import it without imp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,3 +30,9 @@ class FusedStepArgs:
     hp: AdamHyperparams
     accumulate: bool
     update_score: bool = True
+
+    def apply(self, fused_step: Callable[..., None]) -> None:
+        """Run this call through a per-parameter launcher (a backend's ``fused_step_``)."""
+        fused_step(self.param, self.grad, score=self.score, slot=self.slot, col_step=self.col_step,
+                   master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq, acc=self.acc, hp=self.hp,
+                   accumulate=self.accumulate, update_score=self.update_score)

@@ -487,9 +487,7 @@ def test_fused_steps_over_a_window():
         fs.fused_steps_([_args(case, kw) for case, kw in grouped])
         reference_calls = [_args(case, kw) for case, kw in single]
         for c in reference_calls:
-            fs.fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
-                           exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                           update_score=c.update_score)
+            c.apply(fs.fused_step_)
         for i, ((a, _), (b, _)) in enumerate(zip(grouped, single)):
             _assert_bitwise(a, b, f"step {step} call {i}")
 
@@ -505,9 +503,7 @@ def test_fused_steps_backends_agree_with_their_fused_step():
         ops.fused_steps_([_args(case, kw) for case, kw in grouped])
         for case, kw in single:
             c = _args(case, kw)
-            ops.fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
-                            exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                            update_score=c.update_score)
+            c.apply(ops.fused_step_)
         for i, ((a, _), (b, _)) in enumerate(zip(grouped, single)):
             _assert_bitwise(a, b, f"{ops.__name__} call {i}")
 
@@ -542,9 +538,7 @@ def test_cuda_fused_steps_equals_fused_step_per_call():
         single = [(clone(case), kw) for case, kw in grouped]
         for case, kw in single:
             c = _args(case, kw)
-            fs.fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
-                           exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                           update_score=c.update_score)
+            c.apply(fs.fused_step_)
         fs.fused_steps_([_args(case, kw) for case, kw in grouped])
         for i, ((a, _), (b, _)) in enumerate(zip(grouped, single)):
             _assert_bitwise(a, b, f"{dtype} call {i} {shapes[i]}")

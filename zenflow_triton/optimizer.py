@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,11 +228,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         pipeline.check_usable()
         with pipeline.deferred_interrupts():
             pipeline.rehome(self.state)
-            groups = self._group_of_params()
-            pipeline.end_open_windows(
-                self.state, lambda p: AdamHyperparams.from_group(groups[p], decoupled=self._decoupled),
-                cpu_threads=self._knobs.resolved.cpu_threads,
-            )
+            windows = pipeline.open_windows(self.state, self._hp_of({}))
+            if windows:
+                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads)
+            else:
+                pipeline.wait(self.state, merge=True)
 
     def close(self) -> None:
         """Stop the host worker and release host buffers. The optimizer cannot step afterwards."""
@@ -270,8 +270,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Whether ``p`` is (or, stepping first, will be) offloaded (:func:`.params.offloads`)."""
         return p in self._pipeline.records or offloads(p, self.config.min_offload_numel)
 
-    def _group_of_params(self) -> dict[torch.Tensor, dict[str, Any]]:
-        return {p: g for g in self.param_groups for p in g["params"]}
+    def _hp_of(self, known: Mapping[torch.Tensor, tuple[AdamHyperparams, ...]]) -> Callable[[torch.Tensor], Any]:
+        """A parameter's hyperparameters now: from ``known`` (this step's), else from its group (looked up once)."""
+        groups: dict[torch.Tensor, dict[str, Any]] = {}
+
+        def hp_of(p: torch.Tensor) -> AdamHyperparams:
+            if p in known:
+                return known[p][0]
+            if not groups:
+                groups.update({q: g for g in self.param_groups for q in g["params"]})
+            return AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)
+
+        return hp_of
 
     def _prepare_step(
         self,
@@ -409,20 +419,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if window_end:
             # Step 5 (warm-up: every element, synchronously): the host applies each window's mean gradient to the
             # unselected columns, also for parameters whose window holds gradients of earlier steps only.
-            groups = None
-            for p, rec in records.items():
-                st = self.state[p]
-                if p in windows or st["acc_count"] == 0:
-                    continue
-                if rec.rows and (tau <= 0 or rec.masks.num_unselected):
-                    if p in unique:
-                        hp = unique[p][0]
-                    else:
-                        groups = groups or self._group_of_params()
-                        hp = AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)
-                    windows[p] = Window(p, hp)
-                else:
-                    st["acc_count"] = 0
+            for w in pipeline.open_windows(self.state, self._hp_of(unique), skip=windows):
+                windows[w.param] = w
         if windows:
             pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads)
 

@@ -370,22 +370,21 @@ class Pipeline:
         if sync:
             self.wait(state, merge=True)
 
-    def end_open_windows(self, state: State, hp_of: Any, *, cpu_threads: int) -> None:
-        """``flush()``: end every open window now, with the mean of the gradients it holds (``hp_of(p)``: the
-        parameter's hyperparameters now), wait for all host work and merge every result."""
+    def open_windows(self, state: State, hp_of: Any, *, skip: Any = ()) -> list[Window]:
+        """Windows that hold gradients and are not in ``skip``, to end now (at the schedule's window end for a
+        parameter without a gradient this step, or early at ``flush()``), each with its parameter's hyperparameters
+        now (``hp_of(p)``). A window with no unselected column (or no local row) has nothing for the host: it is
+        just emptied."""
         windows = []
         for p, rec in self.records.items():
             st = state[p]
-            if st["acc_count"] == 0:
+            if p in skip or st["acc_count"] == 0:
                 continue
-            if rec.masks.num_unselected:
+            if rec.rows and rec.masks.num_unselected:
                 windows.append(Window(p, hp_of(p)))
             else:
                 st["acc_count"] = 0
-        if windows:
-            self.end_windows(windows, state, sync=True, cpu_threads=cpu_threads)
-        else:
-            self.wait(state, merge=True)
+        return windows
 
     def _ship_sums(self, windows: Sequence[Window], state: State) -> torch.cuda.Event:
         """Start the device-to-host copies of the windows' sums on the copy stream; the event marks their end."""
