@@ -42,30 +42,38 @@ _probed: dict[str, Profile] = {}
 _probe_lock = threading.Lock()
 
 
-def _profile_for(device_type: str) -> tuple[Profile, str]:
+def _profile_for(device_type: str, grad_dtype: str) -> tuple[Profile, str]:
+    """This machine's saved profile, else one quick probe per process. A saved profile that cannot serve this plan
+    (invalid, no GPU figures for CUDA tensors, no rate for the config's gradient dtype) is treated as no profile:
+    the same quick probe, announced in one warning that says why the file was refused."""
     key = current_machine_key()
+    path = default_profile_path(key)
+    why = f"no machine profile at {path}"
     try:
         found = find_profile(key)
     except ProfileError as exc:
-        logger.warning("zenflow_triton autotune: ignoring unusable profile: %s", exc)
+        why = f"ignoring unusable profile: {exc}"
         found = None
     if found is not None:
         profile, path = found
-        if profile.machine_key != key:
-            logger.warning("zenflow_triton autotune: profile %s was measured on %s, this machine is %s",
-                           path, profile.machine_key, key)
-        if device_type != "cuda" or profile.gpu is not None:
+        if device_type == "cuda" and profile.gpu is None:
+            why = f"ignoring unusable profile {path}: no GPU figures ({profile.gpu_unavailable})"
+        elif grad_dtype not in profile.cpu_adamw.rates:
+            why = (f"ignoring unusable profile {path}: no host AdamW rate for {grad_dtype} gradients "
+                   f"(measured: {', '.join(sorted(profile.cpu_adamw.rates))})")
+        else:
+            if profile.machine_key != key:
+                logger.warning("zenflow_triton autotune: profile %s was measured on %s, this machine is %s",
+                               path, profile.machine_key, key)
             return profile, str(path)
-        logger.warning("zenflow_triton autotune: profile %s has no GPU figures (%s); measuring quickly instead",
-                       path, profile.gpu_unavailable)
     with _probe_lock:
         profile = _probed.get(key)
         if profile is None or (device_type == "cuda" and profile.gpu is None):
             from .probes import ProbeSettings, probe_machine
 
             logger.warning(
-                "zenflow_triton autotune: no machine profile at %s; running a quick probe (a few seconds). "
-                "Run `python -m zenflow_triton.autotune` once for a full, saved profile.", default_profile_path(key)
+                "zenflow_triton autotune: %s; running a quick probe instead (a few seconds, not saved). "
+                "Run `python -m zenflow_triton.autotune` once for a full, saved profile.", why
             )
             profile = probe_machine(ProbeSettings.quick_settings())
             _probed[key] = profile
@@ -139,7 +147,7 @@ def plan_for_optimizer(
     if profile is not None:
         source = "given profile"
     else:
-        profile, source = _profile_for(device.type)
+        profile, source = _profile_for(device.type, grad_dtype)
     budget: float | None = None
     kind = "cuda" if device.type == "cuda" else "cpu"
     if kind == "cuda":

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .machine import current_machine_key
-from .profile import Profile
+from .profile import Profile, ProfileError
 
 __all__ = [
     "ENV_VAR",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "READABLE_VERSIONS",
     "ProfileError",
     "cache_dir",
     "default_profile_path",
@@ -36,12 +37,11 @@ __all__ = [
 
 ENV_VAR = "ZENFLOW_TRITON_PROFILE"
 SCHEMA = "zenflow_triton.profile"
-# Bump when a field changes meaning or a required field is added; older files are then re-measured.
-SCHEMA_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile file is missing, unreadable, or of another schema or version."""
+# Bump when a field changes meaning or is added; READABLE_VERSIONS lists the versions this code still loads (an
+# older file without them is re-measured). 2 added the optional spread, repeats and load_average (version 1 files
+# load with them empty: not recorded).
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def cache_dir() -> Path:
@@ -71,13 +71,15 @@ def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ProfileError(f"{source} is not a zenflow_triton profile (no \"schema\": \"{SCHEMA}\")")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ProfileError(f"{source} has schema_version {version!r}, this zenflow_triton reads {SCHEMA_VERSION}; "
-                           "re-run `python -m zenflow_triton.autotune`")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise ProfileError(f"{source} has schema_version {version!r}, this zenflow_triton reads "
+                           f"{', '.join(map(str, READABLE_VERSIONS))}; re-run `python -m zenflow_triton.autotune`")
     try:
         return Profile.from_dict(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProfileError(f"{source} is malformed: {exc!r}") from exc
+    except ProfileError as exc:  # names the field
+        raise ProfileError(f"{source} is malformed: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:  # a check in a dataclass's __post_init__
+        raise ProfileError(f"{source} is malformed: {exc}") from exc
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None) -> Path:
@@ -93,9 +95,14 @@ def save_profile(profile: Profile, path: str | os.PathLike[str], *, extra: Mappi
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     path = Path(path).expanduser()
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        why = f"{exc.reason} at byte {exc.start}"
+        raise ProfileError(f"profile {path} is not UTF-8 text (a binary file?): {why}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

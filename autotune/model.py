@@ -315,7 +315,7 @@ def choose_threads(profile: Profile, grad_dtype: str) -> int:
     """
     table = profile.cpu_adamw.rates.get(grad_dtype)
     if not table:
-        raise ValueError(f"profile has no host AdamW rate for grad dtype {grad_dtype!r}")
+        profile.cpu_adamw.rate(grad_dtype, 1)  # raises the ProfileError that names what was measured
     allowed = [t for t in table if t <= max(1, profile.cpu_cores - 1)] or [min(table)]
     return max(allowed, key=lambda t: (table[t], -t))
 

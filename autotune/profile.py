@@ -5,16 +5,81 @@
 tensors (:class:`DeviceOpRates`) and, with CUDA, the GPU's memory and PCIe figures (:class:`GpuInfo`). Each has
 ``to_dict``/``from_dict``; :mod:`.cache` wraps them in the versioned JSON file. The cost model (:mod:`.model`)
 reads a profile and never touches hardware; :mod:`.probes` fills one.
+
+``from_dict`` is the one place a profile's schema is checked: every field's type and range (finite numbers, positive
+rates and sizes, objects where objects belong), so a file no probe wrote fails here with a :class:`ProfileError`
+naming the field (``cpu_adamw.rates.float32.2: -1.0 is not a positive finite number``), never later in the planner.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "Profile"]
+__all__ = ["BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "Profile", "ProfileError"]
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable, of another schema or version, or has an invalid field (named)."""
+
+
+# ------------------------------------------------------------------------------------- schema readers
+# Each takes the value and its dotted path in the file, and returns the value typed or raises ProfileError.
+
+
+def _bad(where: str, what: str) -> ProfileError:
+    return ProfileError(f"{where}: {what}")
+
+
+def _get(d: Any, key: str, where: str) -> Any:
+    obj = _object(d, where)
+    if key not in obj:
+        raise _bad(f"{where}.{key}" if where else key, "missing")
+    return obj[key]
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _bad(where or "profile", f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _text(value: Any, where: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise _bad(where, f"must be a string, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: str, *, zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with ``zero``); bools are not numbers here."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        value > 0 or (zero and value == 0))
+    if not ok:
+        raise _bad(where, f"{value!r} is not a {'non-negative' if zero else 'positive'} finite number")
+    return float(value)
+
+
+def _whole(value: Any, where: str, *, zero: bool = False) -> int:
+    """An integer >= 1 (>= 0 with ``zero``), as JSON writes it (``4`` or ``4.0``)."""
+    number = _number(value, where, zero=zero)
+    if number != int(number):
+        raise _bad(where, f"{value!r} is not a whole number")
+    return int(number)
+
+
+def _thread_table(value: Any, where: str, *, zero: bool) -> dict[int, float]:
+    """``{"threads": number}`` with thread counts >= 1 (JSON object keys are strings)."""
+    out = {}
+    for key, number in _object(value, where).items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise _bad(where, f"key {key!r} is not a thread count >= 1")
+        out[int(key)] = _number(number, f"{where}.{key}", zero=zero)
+    return out
 
 
 @dataclass(frozen=True)
@@ -65,8 +130,21 @@ class BandwidthCurve:
         return {"kind": self.kind, "points": [[int(n), float(bw)] for n, bw in self.points]}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BandwidthCurve:
-        return cls(kind=str(d["kind"]), points=tuple((int(n), float(bw)) for n, bw in d["points"]))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "curve") -> BandwidthCurve:
+        kind = _text(_get(d, "kind", where), f"{where}.kind")
+        points = _get(d, "points", where)
+        if not isinstance(points, list) or not points:
+            raise _bad(f"{where}.points", f"must be a non-empty list of [bytes, bytes_per_second], got {points!r}")
+        parsed = []
+        for i, point in enumerate(points):
+            if not (isinstance(point, list) and len(point) == 2):
+                raise _bad(f"{where}.points", f"entry {i} is not [bytes, bytes_per_second]: {point!r}")
+            parsed.append((_whole(point[0], f"{where}.points[{i}] bytes"),
+                           _number(point[1], f"{where}.points[{i}] bytes_per_second")))
+        try:
+            return cls(kind=str(kind), points=tuple(parsed))
+        except ValueError as exc:  # sizes out of order
+            raise _bad(f"{where}.points", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -93,7 +171,8 @@ class CpuAdamwRates:
         """Params/s at ``threads`` threads."""
         table = self.rates.get(grad_dtype)
         if not table:
-            raise ValueError(f"profile has no host AdamW rate for grad dtype {grad_dtype!r}")
+            raise ProfileError(f"profile has no host AdamW rate for grad dtype {grad_dtype!r} "
+                               f"(measured: {sorted(self.rates)})")
         return self._at(table, threads)
 
     def overhead(self, threads: int) -> float:
@@ -110,15 +189,18 @@ class CpuAdamwRates:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CpuAdamwRates:
-        rates = {str(dt): {int(t): float(r) for t, r in tab.items()} for dt, tab in d["rates"].items()}
-        for dt, tab in rates.items():
-            if not tab or any(t < 1 or not (r > 0 and math.isfinite(r)) for t, r in tab.items()):
-                raise ValueError(f"invalid host AdamW rates for {dt!r}: {tab}")
-        overhead = {int(t): float(s) for t, s in d["call_overhead_s"].items()}
-        if any(t < 1 or not (s >= 0 and math.isfinite(s)) for t, s in overhead.items()):
-            raise ValueError(f"invalid host AdamW call overheads: {overhead}")
-        return cls(kernel=str(d["kernel"]), numel=int(d["numel"]), rates=rates, call_overhead_s=overhead)
+    def from_dict(cls, d: Mapping[str, Any], where: str = "cpu_adamw") -> CpuAdamwRates:
+        table = _object(_get(d, "rates", where), f"{where}.rates")
+        if not table:
+            raise _bad(f"{where}.rates", "empty: no host AdamW rate was measured")
+        rates = {}
+        for dt, tab in table.items():
+            rates[str(dt)] = _thread_table(tab, f"{where}.rates.{dt}", zero=False)
+            if not rates[str(dt)]:
+                raise _bad(f"{where}.rates.{dt}", "empty: no thread count was measured")
+        overhead = _thread_table(_get(d, "call_overhead_s", where), f"{where}.call_overhead_s", zero=True)
+        return cls(kernel=str(_text(_get(d, "kernel", where), f"{where}.kernel")),
+                   numel=_whole(_get(d, "numel", where), f"{where}.numel"), rates=rates, call_overhead_s=overhead)
 
 
 @dataclass(frozen=True)
@@ -145,9 +227,10 @@ class DeviceOpRates:
                 "merge_rate": self.merge_rate}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DeviceOpRates:
-        return cls(source=str(d["source"]), pass_rate=float(d["pass_rate"]), adam_rate=float(d["adam_rate"]),
-                   merge_rate=float(d["merge_rate"]))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "cpu_device") -> DeviceOpRates:
+        rates = {name: _number(_get(d, name, where), f"{where}.{name}")
+                 for name in ("pass_rate", "adam_rate", "merge_rate")}
+        return cls(source=str(_text(_get(d, "source", where), f"{where}.source")), **rates)
 
 
 @dataclass(frozen=True)
@@ -167,10 +250,13 @@ class GpuInfo:
                 "mem_bandwidth": self.mem_bandwidth, "h2d": self.h2d.to_dict(), "d2h": self.d2h.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GpuInfo:
-        return cls(name=str(d["name"]), total_bytes=int(d["total_bytes"]), free_bytes=int(d["free_bytes"]),
-                   mem_bandwidth=float(d["mem_bandwidth"]), h2d=BandwidthCurve.from_dict(d["h2d"]),
-                   d2h=BandwidthCurve.from_dict(d["d2h"]))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "gpu") -> GpuInfo:
+        return cls(name=str(_text(_get(d, "name", where), f"{where}.name")),
+                   total_bytes=_whole(_get(d, "total_bytes", where), f"{where}.total_bytes"),
+                   free_bytes=_whole(_get(d, "free_bytes", where), f"{where}.free_bytes", zero=True),
+                   mem_bandwidth=_number(_get(d, "mem_bandwidth", where), f"{where}.mem_bandwidth"),
+                   h2d=BandwidthCurve.from_dict(_get(d, "h2d", where), f"{where}.h2d"),
+                   d2h=BandwidthCurve.from_dict(_get(d, "d2h", where), f"{where}.d2h"))
 
 
 @dataclass(frozen=True)
@@ -196,6 +282,20 @@ class Profile:
     versions: Mapping[str, str] = field(default_factory=dict)
     durations: Mapping[str, float] = field(default_factory=dict)
     """Seconds each probe took."""
+    spread: Mapping[str, float] = field(default_factory=dict)
+    """Per measured figure (``"memcpy 1 MiB"``, ``"host AdamW float32 3 threads"``, ...), the slowest of its timed
+    repeats over the fastest, minus one: 0.05 means the repeats agreed within 5%. Empty in profiles written before
+    schema 2 (not recorded)."""
+    repeats: Mapping[str, int] = field(default_factory=dict)
+    """Timed repeats per probe (``"copy"``, ``"host_adamw"``, ``"device_ops"``); empty before schema 2."""
+    load_average: float | None = None
+    """The 1-minute load average when probing ended (None: not recorded, or the system does not say)."""
+
+    @property
+    def noise(self) -> float | None:
+        """The median of :attr:`spread` over the figures: how calm the machine was while measuring (lower is
+        calmer; None when not recorded). The median, so one latency-bound small copy does not decide it."""
+        return statistics.median(self.spread.values()) if self.spread else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -208,6 +308,9 @@ class Profile:
             "created": self.created,
             "versions": dict(self.versions),
             "durations": dict(self.durations),
+            "spread": dict(self.spread),
+            "repeats": dict(self.repeats),
+            "load_average": self.load_average,
             "cpu_adamw": self.cpu_adamw.to_dict(),
             "memcpy": self.memcpy.to_dict(),
             "cpu_device": self.cpu_device.to_dict(),
@@ -217,20 +320,37 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Profile:
-        return cls(
-            machine_key=str(d["machine_key"]),
-            hostname=str(d["hostname"]),
-            cpu_model=str(d["cpu_model"]),
-            cpu_cores=int(d["cpu_cores"]),
-            llc_bytes=int(d["llc_bytes"]),
-            quick=bool(d.get("quick", False)),
-            created=str(d.get("created", "")),
-            versions={str(k): str(v) for k, v in d.get("versions", {}).items()},
-            durations={str(k): float(v) for k, v in d.get("durations", {}).items()},
-            cpu_adamw=CpuAdamwRates.from_dict(d["cpu_adamw"]),
-            memcpy=BandwidthCurve.from_dict(d["memcpy"]),
-            cpu_device=DeviceOpRates.from_dict(d["cpu_device"]),
-            gpu=None if d.get("gpu") is None else GpuInfo.from_dict(d["gpu"]),
-            gpu_unavailable=d.get("gpu_unavailable"),
-        )
+        """The profile in ``d`` (``to_dict``'s form), every field checked; raises :class:`ProfileError` naming the
+        first invalid one. Fields added after schema 1 (``spread``, ``repeats``, ``load_average``) are optional."""
+        d = _object(d, "")
 
+        def optional(key: str, default: Any) -> Any:
+            return d.get(key, default)
+
+        quick = optional("quick", False)
+        if not isinstance(quick, bool):
+            raise _bad("quick", f"must be true or false, got {quick!r}")
+        versions = _object(optional("versions", {}), "versions")
+        load = optional("load_average", None)
+        gpu = optional("gpu", None)
+        return cls(
+            machine_key=str(_text(_get(d, "machine_key", ""), "machine_key")),
+            hostname=str(_text(_get(d, "hostname", ""), "hostname")),
+            cpu_model=str(_text(_get(d, "cpu_model", ""), "cpu_model")),
+            cpu_cores=_whole(_get(d, "cpu_cores", ""), "cpu_cores"),
+            llc_bytes=_whole(_get(d, "llc_bytes", ""), "llc_bytes"),
+            quick=quick,
+            created=str(_text(optional("created", ""), "created")),
+            versions={str(k): str(_text(v, f"versions.{k}")) for k, v in versions.items()},
+            durations={str(k): _number(v, f"durations.{k}", zero=True)
+                       for k, v in _object(optional("durations", {}), "durations").items()},
+            spread={str(k): _number(v, f"spread.{k}", zero=True)
+                    for k, v in _object(optional("spread", {}), "spread").items()},
+            repeats={str(k): _whole(v, f"repeats.{k}") for k, v in _object(optional("repeats", {}), "repeats").items()},
+            load_average=None if load is None else _number(load, "load_average", zero=True),
+            cpu_adamw=CpuAdamwRates.from_dict(_get(d, "cpu_adamw", ""), "cpu_adamw"),
+            memcpy=BandwidthCurve.from_dict(_get(d, "memcpy", ""), "memcpy"),
+            cpu_device=DeviceOpRates.from_dict(_get(d, "cpu_device", ""), "cpu_device"),
+            gpu=None if gpu is None else GpuInfo.from_dict(gpu, "gpu"),
+            gpu_unavailable=_text(optional("gpu_unavailable", None), "gpu_unavailable", optional=True),
+        )

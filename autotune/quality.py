@@ -225,6 +225,8 @@ def load_quality_table(path: str | Path | None = None) -> QualityTable:
             text = Path(path).expanduser().read_text(encoding="utf-8")
         except OSError as exc:
             raise QualityTableError(f"cannot read quality table {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise QualityTableError(f"{source}: not UTF-8 text, so not JSON (a binary file?): {exc.reason}") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

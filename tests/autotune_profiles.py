@@ -28,3 +28,38 @@ def synthetic_profile(*, gpu: bool = False, key: str = "host__cpu__nogpu") -> Pr
         versions={"torch": "x"},
         durations={"total": 1.0},
     )
+
+
+def _set(path: str, value):
+    """A mutation of a profile's JSON: ``path`` is dotted (``cpu_adamw.rates``), the last key gets ``value``."""
+    def mutate(data: dict) -> None:
+        *parents, last = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return mutate
+
+
+# Profiles a user's disk can hold that no probe wrote: (id, mutation of profile_to_json's dict, the field the
+# error must name). Each ended in a traceback (AttributeError, ValueError, OverflowError) before validation.
+BAD_PROFILES = [
+    ("versions-list", _set("versions", ["torch", "x"]), "versions"),
+    ("rates-list", _set("cpu_adamw.rates", [1e8, 2e8]), "cpu_adamw.rates"),
+    ("rates-empty", _set("cpu_adamw.rates", {}), "cpu_adamw.rates"),
+    ("rates-dtype-empty", _set("cpu_adamw.rates.float32", {}), "cpu_adamw.rates.float32"),
+    ("rate-negative", _set("cpu_adamw.rates.float32.1", -1.0), "cpu_adamw.rates.float32.1"),
+    ("rate-nan", _set("cpu_adamw.rates.bfloat16.2", float("nan")), "cpu_adamw.rates.bfloat16.2"),
+    ("thread-key", _set("cpu_adamw.call_overhead_s", {"two": 1e-5}), "cpu_adamw.call_overhead_s"),
+    ("llc-inf", _set("llc_bytes", float("inf")), "llc_bytes"),
+    ("llc-negative", _set("llc_bytes", -5), "llc_bytes"),
+    ("cores-fraction", _set("cpu_cores", 2.5), "cpu_cores"),
+    ("cores-string", _set("cpu_cores", "4"), "cpu_cores"),
+    ("memcpy-points-dict", _set("memcpy.points", {"1": 2}), "memcpy.points"),
+    ("memcpy-point-inf", _set("memcpy.points", [[1048576, float("inf")]]), "memcpy.points[0] bytes_per_second"),
+    ("device-rate-zero", _set("cpu_device.adam_rate", 0), "cpu_device.adam_rate"),
+    ("durations-inf", _set("durations", {"total": float("inf")}), "durations.total"),
+    ("quick-string", _set("quick", "no"), "quick"),
+    ("cpu-adamw-missing", lambda d: d.pop("cpu_adamw"), "cpu_adamw"),
+    ("hostname-number", _set("hostname", 7), "hostname"),
+]

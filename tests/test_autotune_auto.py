@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from autotune_profiles import synthetic_profile
+from autotune_profiles import BAD_PROFILES, synthetic_profile
 
 import zenflow_triton.autotune as autotune
 from zenflow_triton.auto import Knobs, announce
@@ -107,3 +108,34 @@ def test_announce_goes_through_a_configured_logger(caplog):
     with caplog.at_level(logging.INFO, logger="zenflow_triton.auto"):
         announce("through logging", log)
     assert [r.getMessage() for r in caplog.records] == ["through logging"]
+
+
+@pytest.mark.parametrize("bad", ["binary", "versions-list", "rates-empty", "llc-inf"])
+def test_auto_with_an_unusable_profile_trains_on_the_quick_probe(tmp_path, monkeypatch, caplog, bad):
+    from zenflow_triton import ZenFlowAdamW
+    from zenflow_triton.autotune import bridge
+    from zenflow_triton.autotune.cache import ENV_VAR, profile_to_json
+
+    path = tmp_path / "profile.json"
+    if bad == "binary":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    else:
+        data = profile_to_json(synthetic_profile())
+        next(m for i, m, _ in BAD_PROFILES if i == bad)(data)
+        path.write_text(json.dumps(data))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    monkeypatch.setattr(bridge, "_probed", {})
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio="auto", update_interval="auto", min_offload_numel=512)
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+    # (The pipeline's compile notice may come too, on a machine that has not cached the numba kernels yet.)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "autotune" in r.getMessage()]
+    assert len(warnings) == 1 and "ignoring unusable profile" in warnings[0] and str(path) in warnings[0]
+    assert opt.stats()["update_interval"] >= 1 and "quick probe" in opt.stats()["auto_reason"] + warnings[0]
+    opt.close()

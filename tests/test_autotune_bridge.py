@@ -8,11 +8,11 @@ import logging
 
 import pytest
 import torch
-from autotune_profiles import synthetic_profile
+from autotune_profiles import BAD_PROFILES, synthetic_profile
 
 from zenflow_triton.autotune import bridge, machine
 from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR, plan_for_optimizer
-from zenflow_triton.autotune.cache import ENV_VAR, cache_dir, default_profile_path, save_profile
+from zenflow_triton.autotune.cache import ENV_VAR, cache_dir, default_profile_path, profile_to_json, save_profile
 from zenflow_triton.autotune.model import DEFAULT_MAX_LOSS_RATIO, Plan
 from zenflow_triton.autotune.quality import QualityTableError
 from zenflow_triton.config import ZenFlowConfig
@@ -85,7 +85,12 @@ def test_plan_for_optimizer_validates_its_inputs():
         _plan(profile=prof, offloaded_shapes=[])
 
 
-def test_a_broken_cached_profile_falls_back_to_a_probe(monkeypatch, caplog):
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("zenflow_triton") and r.levelno >= logging.WARNING]
+
+
+def test_a_broken_cached_profile_falls_back_to_a_probe_with_one_message(monkeypatch, caplog):
     key = machine.current_machine_key()
     path = default_profile_path(key)
     path.parent.mkdir(parents=True)
@@ -93,8 +98,41 @@ def test_a_broken_cached_profile_falls_back_to_a_probe(monkeypatch, caplog):
     monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
     with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
         plan = _plan()
-    assert "ignoring unusable profile" in caplog.text
+    (message,) = _warnings(caplog)
+    assert "ignoring unusable profile" in message and str(path) in message and "quick probe" in message
     assert plan.profile_source.startswith("quick probe")
+
+
+# What "auto" does with a profile it cannot use is what it does with none: one quick probe (not written anywhere),
+# announced in one warning that says why the file was refused.
+@pytest.mark.parametrize(("mutate", "field"), [pytest.param(m, f, id=i) for i, m, f in BAD_PROFILES[:8]])
+def test_an_invalid_profile_falls_back_to_the_quick_probe_naming_the_field(tmp_path, monkeypatch, caplog, mutate,
+                                                                            field):
+    data = profile_to_json(synthetic_profile())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        plan = _plan()
+    (message,) = _warnings(caplog)
+    assert field in message and "quick probe" in message
+    assert plan.profile_source == "quick probe (this process)"
+
+
+def test_a_profile_without_the_configs_grad_dtype_falls_back_too(tmp_path, monkeypatch, caplog):
+    data = profile_to_json(synthetic_profile())
+    del data["cpu_adamw"]["rates"]["bfloat16"]
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "fp32.json"))
+    (tmp_path / "fp32.json").write_text(json.dumps(data))
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        plan = _plan(grad_dtype="bfloat16")
+    (message,) = _warnings(caplog)
+    assert "bfloat16" in message and "quick probe" in message
+    assert plan.profile_source == "quick probe (this process)"
+    assert _plan().profile_source == str(tmp_path / "fp32.json")  # usable for float32 gradients
 
 
 def test_plan_for_optimizer_passes_the_configs_select_windows(monkeypatch):

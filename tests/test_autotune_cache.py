@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
-from autotune_profiles import synthetic_profile
+from autotune_profiles import BAD_PROFILES, synthetic_profile
 
 from zenflow_triton.autotune.cache import (
     ENV_VAR,
@@ -123,10 +124,54 @@ def test_find_profile_uses_the_env_var_then_the_cache(tmp_path, monkeypatch):
     assert find_profile("k")[0].machine_key == "env"
 
 
-def test_a_file_written_before_the_split_loads_and_is_written_the_same(tmp_path):
+def test_a_schema_1_file_loads_and_is_written_as_schema_2_with_the_same_fields(tmp_path):
+    # Files users already have must keep loading, unchanged; schema 2 only adds the optional spread, repeats and
+    # load_average (empty or None in an old file: not recorded, which the calm check treats as unknown).
     path = tmp_path / "old.json"
     path.write_text(SCHEMA_1_FILE)
-    assert load_profile(path) == synthetic_profile(gpu=True)
+    old = load_profile(path)
+    assert old == synthetic_profile(gpu=True)
+    assert old.spread == {} and old.repeats == {} and old.load_average is None and old.noise is None
     written = profile_to_json(synthetic_profile(gpu=True))
-    assert written == json.loads(SCHEMA_1_FILE)
-    assert list(written) == list(json.loads(SCHEMA_1_FILE))  # same keys in the same order
+    assert written.pop("schema_version") == SCHEMA_VERSION == 2
+    assert {k: written.pop(k) for k in ("spread", "repeats", "load_average")} == {
+        "spread": {}, "repeats": {}, "load_average": None}
+    expected = json.loads(SCHEMA_1_FILE)
+    del expected["schema_version"]
+    assert written == expected
+    assert list(written) == list(expected)  # same keys in the same order
+
+
+def test_a_schema_2_profile_round_trips_its_spread(tmp_path):
+    prof = dataclasses.replace(synthetic_profile(), spread={"memcpy 1 MiB": 0.04, "host AdamW float32 1 threads": 0.1},
+                               repeats={"copy": 3}, load_average=1.5)
+    assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
+    assert prof.noise == pytest.approx(0.07)
+
+
+@pytest.mark.parametrize(("mutate", "field"), [pytest.param(m, f, id=i) for i, m, f in BAD_PROFILES])
+def test_every_invalid_field_is_a_profile_error_naming_it(tmp_path, mutate, field):
+    data = profile_to_json(synthetic_profile())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(path)
+    assert f"{field}:" in str(exc.value) or f"{field} " in str(exc.value), str(exc.value)
+    assert str(path) in str(exc.value)
+
+
+def test_a_gpu_profiles_fields_are_checked_too(tmp_path):
+    data = profile_to_json(synthetic_profile(gpu=True))
+    data["gpu"]["free_bytes"] = float("inf")
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="gpu.free_bytes"):
+        load_profile(tmp_path / "g.json")
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe", b"\xff\xfe{}"])
+def test_a_binary_file_is_a_profile_error(tmp_path, content):
+    path = tmp_path / "binary.json"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError, match="not UTF-8"):
+        load_profile(path)

@@ -8,12 +8,19 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from autotune_profiles import synthetic_profile
+from autotune_profiles import BAD_PROFILES, synthetic_profile
 
 from zenflow_triton.auto import Knobs
 from zenflow_triton.autotune import __main__ as cli
 from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
-from zenflow_triton.autotune.cache import ENV_VAR, SCHEMA, SCHEMA_VERSION, load_profile, save_profile
+from zenflow_triton.autotune.cache import (
+    ENV_VAR,
+    SCHEMA,
+    SCHEMA_VERSION,
+    load_profile,
+    profile_to_json,
+    save_profile,
+)
 from zenflow_triton.autotune.model import format_count, format_seconds
 from zenflow_triton.autotune.quality import default_quality_table
 from zenflow_triton.config import ZenFlowConfig
@@ -282,3 +289,40 @@ def test_a_users_quality_table_is_used_and_a_broken_one_exits_7(saved_profile, t
     code, _, err = run([*argv, "--quality-table", str(mine)], capsys)
     assert code == cli.EXIT_BAD_QUALITY_TABLE
     assert "not JSON" in err
+
+
+@pytest.mark.parametrize(("mutate", "field"), [pytest.param(m, f, id=i) for i, m, f in BAD_PROFILES])
+def test_load_of_an_invalid_profile_exits_4_naming_the_field(tmp_path, capsys, mutate, field):
+    data = profile_to_json(synthetic_profile())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    code, out, err = run(["--load", str(path)], capsys)
+    assert code == cli.EXIT_NO_PROFILE, err
+    assert field in err and "Traceback" not in err and out == ""
+
+
+def test_load_of_a_binary_file_exits_4(tmp_path, capsys):
+    path = tmp_path / "profile.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xd8")
+    code, _, err = run(["--load", str(path)], capsys)
+    assert code == cli.EXIT_NO_PROFILE
+    assert "not UTF-8" in err
+
+
+def test_planning_for_a_grad_dtype_the_profile_lacks_exits_4(tmp_path, capsys):
+    data = profile_to_json(synthetic_profile())
+    del data["cpu_adamw"]["rates"]["bfloat16"]
+    path = tmp_path / "fp32-only.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run(["--load", str(path), "--grad-dtype", "bfloat16"], capsys)
+    assert code == cli.EXIT_NO_PROFILE
+    assert "bfloat16" in err
+
+
+def test_an_undecodable_quality_table_exits_7(saved_profile, tmp_path, capsys):
+    table = tmp_path / "table.json"
+    table.write_bytes(b"\xff\xfe\x00{")
+    code, _, err = run(["--load", str(saved_profile), "--quality-table", str(table)], capsys)
+    assert code == cli.EXIT_BAD_QUALITY_TABLE
+    assert str(table) in err and "UTF-8" in err
