@@ -16,8 +16,11 @@ The modules, each importing only those listed before it:
   budget, the config's defaults); it imports :mod:`zenflow_triton.config`, never the optimizer;
 - ``__main__``: the command line.
 
-Importing this package neither compiles numba kernels nor initializes CUDA.
+Importing this package neither compiles numba kernels nor initializes CUDA, and imports no torch: :mod:`.probes`
+(which does) loads on first use of ``probe_machine`` or ``ProbeSettings``, so the CLI's ``--help`` is instant.
 """
+
+from typing import Any
 
 from .bridge import QUALITY_ENV_VAR, plan_for_optimizer, quality_table_for
 from .cache import (
@@ -44,7 +47,6 @@ from .model import (
     shapes_for_param_count,
     stall_grid,
 )
-from .probes import ProbeSettings, probe_machine
 from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
 from .quality import QualityTable, QualityTableError, default_quality_table, load_quality_table
 
@@ -85,3 +87,11 @@ __all__ = [
     "shapes_for_param_count",
     "stall_grid",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ProbeSettings", "probe_machine"):
+        from . import probes
+
+        return getattr(probes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

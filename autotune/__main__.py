@@ -41,7 +41,6 @@ from .model import (
     predict,
     shapes_for_param_count,
 )
-from .probes import ProbeSettings, probe_machine
 from .profile import Profile
 from .quality import QualityTable, QualityTableError
 
@@ -170,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     adv.add_argument("--adamw-numel", type=_count, metavar="N", help="elements per timed host AdamW call")
     adv.add_argument("--max-copy-bytes", type=_count, metavar="N", help="largest copy size measured")
     return parser
+
+
+def probe_machine(*args: Any, **kwargs: Any) -> Profile:
+    """:func:`.probes.probe_machine`, imported here on first use: it imports torch, which ``--help`` never needs."""
+    from .probes import probe_machine as measure
+
+    return measure(*args, **kwargs)
 
 
 def _err(msg: str) -> None:
@@ -409,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_NO_PROFILE
         progress(f"loaded {path}")
     else:
+        from .probes import ProbeSettings
+
         settings = ProbeSettings.quick_settings() if args.quick else ProbeSettings.full_settings()
         settings = settings.with_overrides(adamw_numel=args.adamw_numel, max_copy_bytes=args.max_copy_bytes)
         progress(f"measuring ({'quick' if args.quick else 'full'}; --quick takes a few seconds)")

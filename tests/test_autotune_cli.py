@@ -178,6 +178,21 @@ def test_measurement_failure_exits_3(monkeypatch, capsys):
     assert "measurement failed: no memory" in err
 
 
+def test_help_answers_without_importing_torch():
+    # --help took 8.5 s on the 2-core VM, all of it importing torch; the parser needs none of it.
+    script = ("import runpy, sys\n"
+              "sys.argv = ['zenflow_triton.autotune', '--help']\n"
+              "try:\n"
+              "    runpy.run_module('zenflow_triton.autotune', run_name='__main__', alter_sys=True)\n"
+              "except SystemExit as exc:\n"
+              "    assert exc.code == 0, exc.code\n"
+              "heavy = sorted(m for m in ('torch', 'numpy', 'numba', 'triton') if m in sys.modules)\n"
+              "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--quick" in proc.stdout and "ZENFLOW_TRITON_PROFILE" in proc.stdout
+
+
 def test_module_runs_as_a_script():
     proc = subprocess.run([sys.executable, "-m", "zenflow_triton.autotune", "--help"], capture_output=True,
                           text=True, timeout=120)
