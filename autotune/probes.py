@@ -11,6 +11,12 @@ What is measured (DESIGN §8):
 - host ``memcpy`` bandwidth and the torch backend's device-side ops on CPU tensors: on a machine without a
   GPU these stand in for PCIe and the Triton kernels (labelled as such; GPU figures are never invented).
 
+Every figure is the best of several timed repeats (other processes only ever slow a run down), and its *spread*,
+the median repeat's time over the best's minus one, goes into the profile (``Profile.spread``) so a reader can
+tell a calm measurement from one taken on a busy machine. The host probes interleave their repeats (one pass over
+every size or thread count, then the next), so the repeats of one figure lie seconds apart, not microseconds: a
+burst of load then shows as spread instead of deciding one figure alone.
+
 Nothing here runs at import: numba (compiling) and CUDA are touched only inside the probe functions.
 """
 
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -80,6 +88,18 @@ class ProbeSettings:
                    adamw_numel=None, adamw_repeats=5, thread_counts=None, device_ops_numel=None,
                    gpu_bandwidth_bytes=256 * MiB, quick=False)
 
+    def describe(self) -> str:
+        """What a run with these settings measures, in a line (the CLI prints it, so quick and full differ visibly)."""
+        sizes = sorted(self.copy_sizes)
+        span = _fmt_bytes(sizes[0]) + (f"-{_fmt_bytes(sizes[-1])}" if len(sizes) > 1 else "")
+        threads = ("every thread count" if self.thread_counts is None and not self.quick else
+                   "a spread of thread counts" if self.thread_counts is None else
+                   f"{', '.join(map(str, self.thread_counts))} threads")
+        numel = (f"{self.adamw_numel:,} params" if self.adamw_numel else
+                 f"{'2' if self.quick else '4'}x the last-level cache")
+        return (f"{'quick' if self.quick else 'full'}: copies at {len(sizes)} sizes ({span}) x {self.copy_repeats} "
+                f"repeats; host AdamW on {numel} at {threads} x {self.adamw_repeats} repeats")
+
     def with_overrides(self, *, adamw_numel: int | None = None, max_copy_bytes: int | None = None) -> ProbeSettings:
         """Smaller runs (tests, small machines): cap the AdamW buffer and the largest copy."""
         s = self
@@ -95,7 +115,17 @@ class ProbeSettings:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def _spread(times: Sequence[float]) -> float:
+    """The median time over the best, minus one: 0.04 means the typical repeat ran 4% slower than the best.
+
+    The median, not the slowest: the slowest of n repeats grows with n, so a full run (more repeats) would look
+    noisier than a quick one on the same calm machine.
+    """
+    best = min(times)
+    return statistics.median(times) / best - 1 if best > 0 else 0.0
+
+
+def _timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
     times = []
@@ -103,10 +133,31 @@ def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> fl
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    return times
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                  spread: dict[str, float] | None = None, name: str = "") -> float:
+    times = _timed(fn, repeats, warmup)
+    if spread is not None:
+        spread[name] = _spread(times)
     # The best time: it measures what the hardware can do. Other processes on the machine only ever slow a run
     # down, and on a shared machine they did so by 2-4x at random moments of a few milliseconds (2-core CI VM,
     # load average 5): the median of a handful of short calls followed the neighbours, not the hardware.
     return min(times)
+
+
+def _interleaved(fns: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Times of ``repeats`` rounds, each calling every function once (after one untimed warm-up round)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(max(1, repeats)):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return times
 
 
 def _fmt_bytes(n: int) -> str:
@@ -121,8 +172,11 @@ def _say(progress: Progress | None, msg: str) -> None:
 # ------------------------------------------------------------------------------------------- bandwidth
 
 
-def measure_memcpy(sizes: Sequence[int], *, repeats: int = 3, progress: Progress | None = None) -> BandwidthCurve:
-    """Host-to-host ``Tensor.copy_`` bandwidth: the copy a run on CPU tensors makes where a GPU run crosses PCIe."""
+def measure_memcpy(sizes: Sequence[int], *, repeats: int = 3, progress: Progress | None = None,
+                   spread: dict[str, float] | None = None) -> BandwidthCurve:
+    """Host-to-host ``Tensor.copy_`` bandwidth: the copy a run on CPU tensors makes where a GPU run crosses PCIe.
+
+    ``spread``, when given, receives each size's spread (``"memcpy 1 MiB"``: median time over best, minus one)."""
     from zenflow_triton.host_memory import HostSlab
 
     top = max(sizes)
@@ -130,16 +184,22 @@ def measure_memcpy(sizes: Sequence[int], *, repeats: int = 3, progress: Progress
     src, dst = slab.views
     src.fill_(1)
     dst.copy_(src)  # first touch: page faults belong to allocation, not to copying
+    ordered = sorted(sizes)
+    times = _interleaved([lambda n=n: dst[:n].copy_(src[:n]) for n in ordered], repeats)
     points = []
-    for n in sorted(sizes):
-        t = _best_seconds(lambda n=n: dst[:n].copy_(src[:n]), repeats)
+    for n, ts in zip(ordered, times):
+        t = min(ts)  # the best, as _best_seconds
         points.append((int(n), n / t))
-        _say(progress, f"memcpy {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s")
+        if spread is not None:
+            spread[f"memcpy {_fmt_bytes(n)}"] = _spread(ts)
+        _say(progress, f"memcpy {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread {_spread(ts):.0%} over "
+                       f"{len(ts)} repeats)")
     return BandwidthCurve(kind="memcpy", points=tuple(points))
 
 
 def measure_pcie(
-    sizes: Sequence[int], *, device: torch.device, repeats: int = 3, progress: Progress | None = None
+    sizes: Sequence[int], *, device: torch.device, repeats: int = 3, progress: Progress | None = None,
+    spread: dict[str, float] | None = None,
 ) -> tuple[BandwidthCurve, BandwidthCurve]:
     """Pinned H2D and D2H bandwidth through a :class:`HostSlab` and a side stream, as the optimizer copies."""
     from zenflow_triton.host_memory import HostSlab
@@ -153,12 +213,12 @@ def measure_pcie(
     curves = {}
     with torch.cuda.device(device):
         for name in ("h2d", "d2h"):
-            curves[name] = _pcie_curve(name, sizes, host, dev, stream, repeats, progress)
+            curves[name] = _pcie_curve(name, sizes, host, dev, stream, repeats, progress, spread)
     return curves["h2d"], curves["d2h"]
 
 
 def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.Tensor, stream: torch.cuda.Stream,
-                repeats: int, progress: Progress | None) -> BandwidthCurve:
+                repeats: int, progress: Progress | None, spread: dict[str, float] | None = None) -> BandwidthCurve:
     points = []
     for n in sorted(sizes):
         src, dst = (host[:n], dev[:n]) if name == "h2d" else (dev[:n], host[:n])
@@ -175,12 +235,16 @@ def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.
                 times.append(start.elapsed_time(end) / 1e3)
         t = min(times)  # best of the repeats, as _best_seconds
         points.append((int(n), n / t))
-        _say(progress, f"PCIe {name.upper()} pinned {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s")
+        if spread is not None:
+            spread[f"PCIe {name.upper()} {_fmt_bytes(n)}"] = _spread(times)
+        _say(progress, f"PCIe {name.upper()} pinned {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread "
+                       f"{_spread(times):.0%} over {len(times)} repeats)")
     return BandwidthCurve(kind=f"pcie-{name}", points=tuple(points))
 
 
 def measure_gpu_memory(
-    device: torch.device, *, nbytes: int, repeats: int = 3, progress: Progress | None = None
+    device: torch.device, *, nbytes: int, repeats: int = 3, progress: Progress | None = None,
+    spread: dict[str, float] | None = None,
 ) -> tuple[str, int, int, float]:
     """``(name, total_bytes, free_bytes, bandwidth)``; bandwidth counts bytes read plus written per second."""
     name = torch.cuda.get_device_name(device)
@@ -199,6 +263,8 @@ def measure_gpu_memory(
             if i:
                 times.append(start.elapsed_time(end) / 1e3)
     bw = 2 * nbytes / min(times)
+    if spread is not None:
+        spread["device copy"] = _spread(times)
     _say(progress, f"{name}: {bw / 1e9:.0f} GB/s device copy, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     return name, int(total), int(free), bw
 
@@ -237,11 +303,13 @@ def measure_host_adamw(
     repeats: int = 3,
     grad_dtypes: Sequence[str] = ("float32", "bfloat16"),
     progress: Progress | None = None,
+    spread: dict[str, float] | None = None,
 ) -> CpuAdamwRates:
     """Params/s of the host AdamW kernel at each thread count and landing dtype (bf16 snapshot written).
 
     Uses ``kernels.cpu_adamw`` (numba); falls back to ``kernels.reference`` (torch threads) if that cannot be
-    imported. The first call may compile the numba kernel (cached on disk afterwards).
+    imported. The first call may compile the numba kernel (cached on disk afterwards). ``spread``, when given,
+    receives each rate's spread (``"host AdamW float32 2 threads"``).
     """
     from zenflow_triton.host_memory import HostSlab
 
@@ -289,6 +357,11 @@ def measure_host_adamw(
     if compile_s > 0.5:
         _say(progress, f"host AdamW ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
 
+    def at(grad: torch.Tensor, threads: int) -> None:
+        if kernel != "numba":
+            torch.set_num_threads(threads)
+        call(grad, threads, big)
+
     rates: dict[str, dict[int, float]] = {}
     overhead: dict[int, float] = {}
     total = rows * cols
@@ -302,12 +375,15 @@ def measure_host_adamw(
         for dt in grad_dtypes:
             grad = grad32 if dt == "float32" else grad16
             rates[dt] = {}
-            for t in thread_counts:
-                if kernel != "numba":
-                    torch.set_num_threads(t)
-                sec = _best_seconds(lambda g=grad, t=t: call(g, t, big), repeats)
+            # Rounds over the thread counts: the repeats of one count lie a whole round apart.
+            times = _interleaved([lambda t=t, g=grad: at(g, t) for t in thread_counts], repeats)
+            for t, ts in zip(thread_counts, times):
+                sec = min(ts)
                 rates[dt][int(t)] = total / sec
-                _say(progress, f"host AdamW ({kernel}) {dt} grad, {t} thread(s): {total / sec / 1e6:.0f} M params/s")
+                if spread is not None:
+                    spread[f"host AdamW {dt} {t} threads"] = _spread(ts)
+                _say(progress, f"host AdamW ({kernel}) {dt} grad, {t} thread(s): {total / sec / 1e6:.0f} M params/s "
+                               f"(spread {_spread(ts):.0%} over {len(ts)} repeats)")
     finally:
         torch.set_num_threads(torch_threads)
     _say(progress, "host AdamW call overhead: " + ", ".join(f"{t} thread(s) {s * 1e6:.0f} us"
@@ -315,7 +391,8 @@ def measure_host_adamw(
     return CpuAdamwRates(kernel=kernel, numel=total, rates=rates, call_overhead_s=overhead)
 
 
-def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None) -> DeviceOpRates:
+def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None,
+                           spread: dict[str, float] | None = None) -> DeviceOpRates:
     """Rates of the device-side work on CPU tensors, with the ops the optimizer's default backend runs there
     (``load_device_ops("auto", cpu)``: numba; the torch backend if numba cannot load): the pass over every
     gradient element, the extra cost per element of Adam on selected columns (timed with none and with all
@@ -344,18 +421,19 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     unselected = torch.full((cols,), -1, dtype=torch.int32)
     hp = _probe_hyperparams()
 
-    def step(k: int) -> float:
+    def step(k: int, name: str) -> float:
         slot = torch.arange(cols, dtype=torch.int32) if k else unselected
         state = [torch.zeros(rows, k) for _ in range(3)]
         return _best_seconds(lambda: reference.fused_step_(
             param, grad, score=score, slot=slot, col_step=col_step, master=state[0], exp_avg=state[1],
-            exp_avg_sq=state[2], acc=acc, hp=hp, accumulate=True), repeats)
+            exp_avg_sq=state[2], acc=acc, hp=hp, accumulate=True), repeats, spread=spread, name=name)
 
-    t_pass = step(0)
-    t_all = step(cols)
+    t_pass = step(0, "device pass")
+    t_all = step(cols, "device pass + Adam")
     # Noise can make the difference tiny or negative; never let it claim Adam is free.
     t_adam = max(t_all - t_pass, 0.05 * t_pass)
-    t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats)
+    t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats, spread=spread,
+                            name="device merge")
     threads = "" if backend != "reference" else f", {torch.get_num_threads()} torch threads"
     rates = DeviceOpRates(source=f"measured: {backend} on CPU tensors{threads}",
                           pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge)
@@ -398,19 +476,20 @@ def probe_machine(
             cuda_device = None
             gpu_unavailable = f"device {device} is not a CUDA device: no GPU or PCIe figures"
 
+    spread: dict[str, float] = {}
     start = time.perf_counter()
-    memcpy = measure_memcpy(settings.copy_sizes, repeats=settings.copy_repeats, progress=progress)
+    memcpy = measure_memcpy(settings.copy_sizes, repeats=settings.copy_repeats, progress=progress, spread=spread)
     durations["memcpy"] = time.perf_counter() - start
 
     if cuda_device is not None:
         # Device memory first: free memory is read before this probe's own buffers sit in torch's cache.
         start = time.perf_counter()
         name, total, free, bw = measure_gpu_memory(cuda_device, nbytes=settings.gpu_bandwidth_bytes,
-                                                   repeats=settings.copy_repeats, progress=progress)
+                                                   repeats=settings.copy_repeats, progress=progress, spread=spread)
         durations["gpu_memory"] = time.perf_counter() - start
         start = time.perf_counter()
         h2d, d2h = measure_pcie(settings.copy_sizes, device=cuda_device, repeats=settings.copy_repeats,
-                                progress=progress)
+                                progress=progress, spread=spread)
         durations["pcie"] = time.perf_counter() - start
         gpu = GpuInfo(name=name, total_bytes=total, free_bytes=free, mem_bandwidth=bw, h2d=h2d, d2h=d2h)
 
@@ -419,16 +498,21 @@ def probe_machine(
     numel = settings.adamw_numel or max(floor, multiple * llc // _ADAMW_BYTES_PER_ELEM)
     start = time.perf_counter()
     cpu_adamw = measure_host_adamw(numel=numel, thread_counts=_thread_counts(cores, settings),
-                                   repeats=settings.adamw_repeats, progress=progress)
+                                   repeats=settings.adamw_repeats, progress=progress, spread=spread)
     durations["host_adamw"] = time.perf_counter() - start
 
     start = time.perf_counter()
     # Parameter, gradient and accumulator (12 bytes per element) at twice the cache: the torch ops are slow
     # enough (about 1 s per call at 4x on the 2-core CI VM) that a larger size buys nothing but time.
     dev_numel = settings.device_ops_numel or max(1 << 20, 2 * llc // 12)
-    cpu_device = measure_cpu_device_ops(numel=dev_numel, repeats=min(3, settings.adamw_repeats), progress=progress)
+    device_repeats = min(3, settings.adamw_repeats)
+    cpu_device = measure_cpu_device_ops(numel=dev_numel, repeats=device_repeats, progress=progress, spread=spread)
     durations["cpu_device_ops"] = time.perf_counter() - start
     durations["total"] = time.perf_counter() - t_all
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this system
+        load = None
 
     import numpy
 
@@ -457,4 +541,7 @@ def probe_machine(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions=versions,
         durations=durations,
+        spread=spread,
+        repeats={"copy": settings.copy_repeats, "host_adamw": settings.adamw_repeats, "device_ops": device_repeats},
+        load_average=load,
     )

@@ -83,3 +83,35 @@ def test_pcie_and_gpu_probes_measure_the_device():
 def test_probe_machine_with_a_gpu(tiny_profile):
     assert tiny_profile.gpu is not None and tiny_profile.gpu_unavailable is None
     assert not tiny_profile.machine_key.endswith("__nogpu")
+
+
+def test_spread_is_the_median_repeat_over_the_best():
+    assert probes._spread([1.0, 1.1, 2.0]) == pytest.approx(0.1)
+    assert probes._spread([2.0, 2.0]) == 0.0
+    # The slowest repeat does not decide it: more repeats on a calm machine must not read as noisier.
+    assert probes._spread([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0
+
+
+def test_every_figure_records_its_spread_and_the_repeats(tiny_profile):
+    prof = tiny_profile
+    assert prof.repeats == {"copy": TINY.copy_repeats, "host_adamw": TINY.adamw_repeats, "device_ops": 2}
+    names = set(prof.spread)
+    assert {"memcpy 64 KiB", "memcpy 1 MiB", "device pass", "device pass + Adam", "device merge"} <= names
+    threads = {t for tab in prof.cpu_adamw.rates.values() for t in tab}
+    assert {f"host AdamW {dt} {t} threads" for dt in ("float32", "bfloat16") for t in threads} <= names
+    assert all(v >= 0 for v in prof.spread.values()) and prof.noise is not None
+    assert prof.load_average is None or prof.load_average >= 0
+
+
+def test_interleaved_repeats_run_every_function_each_round():
+    calls: list[str] = []
+    times = probes._interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds
+    assert [len(t) for t in times] == [3, 3]
+
+
+def test_quick_and_full_say_what_they_measure():
+    quick, full = ProbeSettings.quick_settings().describe(), ProbeSettings.full_settings().describe()
+    assert quick.startswith("quick: copies at 3 sizes (1 MiB-64 MiB) x 3 repeats")
+    assert full.startswith("full: copies at 6 sizes (256 KiB-256 MiB) x 5 repeats")
+    assert "every thread count" in full and "x 5 repeats" in full and "x 3 repeats" in quick
