@@ -360,6 +360,28 @@ class _Point:
         return f"topk_ratio={self.pred.topk_ratio:g}, update_interval={self.pred.update_interval}"
 
 
+def _why_no_offloading(chosen: _Point, feasible: Sequence[_Point], tolerance: float, fixed: bool) -> list[str]:
+    """What r = 1 means, in words, and why it was chosen: what the best offloading setting would have saved."""
+    what = (f"topk_ratio=1 means no offloading: plain AdamW, every column updated on the device each step "
+            f"(update_interval does nothing then); no host work, no stall, all optimizer state on the device "
+            f"({format_bytes(chosen.pred.device_bytes)})")
+    if fixed:
+        return [what]
+    offloading = [p for p in feasible if p.pred.topk_ratio < 1]
+    if not offloading:
+        return [what, "why no offloading: no setting with topk_ratio < 1 meets the loss budget within the bounds"]
+    alt = min(offloading, key=lambda p: p.step_s)
+    saved = chosen.step_s - alt.step_s
+    if saved <= 0:
+        why = (f"why no offloading: it would not make the step faster ({alt.where()} predicts "
+               f"{format_seconds(alt.step_s)} against {format_seconds(chosen.step_s)})")
+    else:
+        why = (f"why no offloading: the fastest offloading setting ({alt.where()}, {alt.loss:.3f}x AdamW) saves "
+               f"{format_seconds(saved)} per step ({saved / chosen.step_s:.2%}): within the {tolerance:.0%} tie, "
+               "which goes to the lower loss")
+    return [what, why]
+
+
 def plan(
     profile: Profile,
     workload: Workload,
@@ -474,6 +496,8 @@ def plan(
             least = min(points, key=lambda p: p.pred.stall_fraction)
             lines.append(f"this machine cannot hide the host work within the bounds and the quality table's range: "
                          f"{stall} (the least: {least.pred.stall_fraction:.0%} at {least.where()})")
+    if pred.topk_ratio >= 1:
+        lines.extend(_why_no_offloading(chosen, feasible, targets.speed_tolerance, topk_ratio is not None))
     rate = profile.cpu_adamw.rate(workload.grad_dtype, threads)
     lines.append(f"cpu_threads={threads}: " + ("fixed by the caller" if cpu_threads is not None else
                  f"the fastest measured count leaving a core to training ({format_count(rate)} params/s, "

@@ -19,7 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "Profile", "ProfileError"]
+__all__ = ["NOISY_SPREAD", "BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "Profile", "ProfileError"]
+
+# A profile whose figures' median spread (Profile.noise) passes this was measured on a busy machine. On the 2-core
+# CI VM at load average 4.7-4.9 (other test suites running) three quick probes measured median spreads of 15%, 31%
+# and 99% (single figures up to 990%), while an undisturbed figure's repeats agreed within 1% (memcpy 1-64 MiB in
+# the same runs); 10% sits well above calm and below every busy run.
+NOISY_SPREAD = 0.10
 
 
 class ProfileError(ValueError):
@@ -296,6 +302,17 @@ class Profile:
         """The median of :attr:`spread` over the figures: how calm the machine was while measuring (lower is
         calmer; None when not recorded). The median, so one latency-bound small copy does not decide it."""
         return statistics.median(self.spread.values()) if self.spread else None
+
+    def busy(self) -> str | None:
+        """Why this profile looks measured on a busy machine (None: it does not): a load average above the cores,
+        or a median spread (:attr:`noise`) above :data:`NOISY_SPREAD`."""
+        reasons = []
+        if self.load_average is not None and self.load_average > self.cpu_cores:
+            reasons.append(f"load average {self.load_average:.1f} on {self.cpu_cores} cores")
+        noise = self.noise
+        if noise is not None and noise > NOISY_SPREAD:
+            reasons.append(f"the repeats of a typical figure disagree by {noise:.0%} (calm: under {NOISY_SPREAD:.0%})")
+        return "; ".join(reasons) or None
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -414,3 +414,24 @@ def test_the_model_imports_nothing_outside_the_autotuner():
     absolute = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     absolute |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     assert not {m for m in absolute if m and m.split(".")[0] == "zenflow_triton"}
+
+
+def test_a_choice_of_r_1_says_it_is_plain_adamw_and_what_offloading_would_have_saved():
+    from autotune_profiles import synthetic_profile
+
+    # 1M parameters behind a 1 s model step: offloading saves far less than the 1% tie, so the lower loss wins.
+    w = Workload(shapes=shapes_for_param_count(1_000_000), step_time_s=1.0, param_bytes=4, device="cpu")
+    p = plan(synthetic_profile(), w)
+    assert (p.topk_ratio, p.update_interval, p.predicted_loss_ratio) == (1.0, 1, 1.0)
+    lines = p.reason.splitlines()
+    what = next(line for line in lines if line.startswith("topk_ratio=1 means no offloading"))
+    assert "plain AdamW" in what and "update_interval" in what
+    why = next(line for line in lines if line.startswith("why no offloading"))
+    best = min((predict(synthetic_profile(), w, topk_ratio=r, update_interval=u, cpu_threads=p.cpu_threads)
+                for r in (0.5, 0.25) for u in (1, 2, 4)), key=lambda q: q.step_s)
+    assert best.step_s > p.predicted_step_s * (1 - 0.01)  # the saving is within the tie (checked independently)
+    assert "within the 1% tie" in why
+    assert all(len(line) <= 200 for line in lines), lines
+    # An offloading choice carries no such line.
+    big = plan(synthetic_profile(), Workload(shapes=shapes_for_param_count(10_000_000), step_time_s=0.5, device="cpu"))
+    assert big.topk_ratio < 1 and "no offloading" not in big.reason

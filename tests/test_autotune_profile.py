@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -51,3 +52,19 @@ def test_to_dict_and_from_dict_round_trip_with_and_without_a_gpu():
 def test_device_op_rates_must_be_positive():
     with pytest.raises(ValueError, match="adam_rate"):
         DeviceOpRates(source="s", pass_rate=1.0, adam_rate=0.0, merge_rate=1.0)
+
+
+def test_noise_is_the_median_spread_and_busy_says_why():
+    from autotune_profiles import synthetic_profile
+
+    from zenflow_triton.autotune.profile import NOISY_SPREAD
+
+    calm = dataclasses.replace(synthetic_profile(), spread={"a": 0.01, "b": 0.02, "c": 3.0}, load_average=1.0)
+    assert calm.noise == 0.02 and calm.busy() is None  # one wild figure does not make a run noisy
+    noisy = dataclasses.replace(calm, spread={"a": 0.3, "b": 0.5})
+    assert noisy.noise == pytest.approx(0.4) and noisy.noise > NOISY_SPREAD
+    assert "disagree by 40%" in noisy.busy()
+    loaded = dataclasses.replace(calm, load_average=9.5)  # the synthetic machine has 4 cores
+    assert loaded.busy() == "load average 9.5 on 4 cores"
+    unknown = synthetic_profile()  # schema 1: nothing recorded, nothing claimed
+    assert unknown.noise is None and unknown.busy() is None
