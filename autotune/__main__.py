@@ -12,6 +12,11 @@ Progress goes to stderr; the table (or ``--json``) to stdout. Exit codes, for sc
 
 The choice weighs the predicted step time against the predicted loss ratio vs AdamW (``--max-loss-ratio``) from a
 quality table: the shipped one (:mod:`.quality`) or yours (``--quality-table``).
+
+The output says what was measured (sizes, repeats, each figure's spread), warns when the machine was busy, where
+the profile went and whether ``"auto"`` will read it from there, and, for one model (``--params``), the constructor
+call with the chosen knobs. A saved profile measured calmer than this run (lower median spread) is kept unless
+``--force``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -130,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--output", "-o", metavar="PATH", type=Path,
                      help=f"write the profile here (default: ${ENV_VAR}, else the per-user cache)")
     out.add_argument("--no-save", action="store_true", help="do not write the profile")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the saved profile even when it was measured calmer (lower spread) than this run")
     parser.add_argument("--load", nargs="?", const="", metavar="PATH",
                         help="plan from a saved profile instead of measuring (default: the usual location)")
     plan_group = parser.add_argument_group("planning for a model")
@@ -240,17 +248,65 @@ _time = format_seconds
 _count_str = format_count
 
 
+def _probe_size(n: int) -> str:
+    """A copy size as the probes name its spread entry (``memcpy 1 MiB``)."""
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 1024:g} KiB"
+
+
 def _loss(x: float | None) -> str:
     return "unknown" if x is None else f"{x:.3f}"
 
 
+def _with_spread(text: str, profile: Profile, name: str, width: int) -> str:
+    """A table cell: the figure, and its spread in parentheses when the profile recorded one."""
+    spread = profile.spread.get(name)
+    return f"{text + ('' if spread is None else f' ({spread:.0%})'):>{width}}"
+
+
+def _measured(profile: Profile) -> str:
+    """What the profile's run measured, read from the profile itself (so --load says it too)."""
+    curve = profile.memcpy if profile.gpu is None else profile.gpu.h2d
+    sizes = [n for n, _ in curve.points]
+    span = _size(sizes[0]) + (f"-{_size(sizes[-1])}" if len(sizes) > 1 else "")
+    threads = sorted({t for tab in profile.cpu_adamw.rates.values() for t in tab})
+    reps = profile.repeats
+    copy_reps = f" x {reps['copy']} repeats" if "copy" in reps else ""
+    adamw_reps = f" x {reps['host_adamw']} repeats" if "host_adamw" in reps else ""
+    total = profile.durations.get("total")
+    plural = "s" if len(sizes) > 1 else ""
+    return (f"{'quick' if profile.quick else 'full'}: copies at {len(sizes)} size{plural} ({span}){copy_reps}; "
+            f"host AdamW on {_count_str(profile.cpu_adamw.numel)} params at {', '.join(map(str, threads))} "
+            f"threads{adamw_reps}"
+            + (f"; measured in {total:.1f} s" if total else ""))
+
+
+def _spread_line(profile: Profile) -> str:
+    load = "" if profile.load_average is None else (f"; load average {profile.load_average:.1f} on "
+                                                     f"{profile.cpu_cores} cores")
+    if profile.noise is None:
+        return "  spread        not recorded (a profile from before schema 2)" + load
+    worst = max(profile.spread, key=lambda k: profile.spread[k])
+    return (f"  spread        median {profile.noise:.0%} over {len(profile.spread)} figures (median repeat over the "
+            f"best), widest {profile.spread[worst]:.0%} ({worst}){load}")
+
+
+def _constructor(plan: Plan, grad_dtype: str) -> str:
+    """The call that builds the optimizer with this plan's knobs, ready to paste."""
+    extra = "" if grad_dtype == "float32" else f', grad_dtype="{grad_dtype}"'
+    return (f"optimizer = ZenFlowAdamW(model.parameters(), lr=1e-4, topk_ratio={plan.topk_ratio:g}, "
+            f"update_interval={plan.update_interval}, cpu_threads={plan.cpu_threads}{extra})")
+
+
 def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | None, single: bool,
-            quality: QualityTable) -> str:
+            quality: QualityTable, where: Sequence[str] = ()) -> str:
     lines: list[str] = []
     add = lines.append
-    total = profile.durations.get("total")
-    add(f"zenflow_triton machine profile ({'quick' if profile.quick else 'full'}"
-        + (f", measured in {total:.1f} s" if total else "") + ")")
+    add(f"zenflow_triton machine profile ({_measured(profile)})")
+    busy = profile.busy()
+    if busy:
+        add(f"  WARNING: the machine was busy while measuring ({busy}): figures and the choice below may swing "
+            "between runs; measure again when it is idle (a saved profile is replaced only by a calmer one)")
+    add(_spread_line(profile))
     add(f"  machine       {profile.machine_key}")
     add(f"  CPU           {profile.cpu_model}: {profile.cpu_cores} cores, last-level cache {_size(profile.llc_bytes)}")
     if profile.gpu is None:
@@ -264,25 +320,31 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
     curves = [("memcpy", profile.memcpy)]
     if profile.gpu is not None:
         curves = [("H2D pinned", profile.gpu.h2d), ("D2H pinned", profile.gpu.d2h), *curves]
-    add("  copy bandwidth, GB/s")
-    add("    size       " + "".join(f"{name:>12}" for name, _ in curves))
+    add("  copy bandwidth, GB/s (spread)")
+    add("    size       " + "".join(f"{name:>16}" for name, _ in curves))
     sizes = sorted({n for _, c in curves for n, _ in c.points})
+    spread_names = {"memcpy": "memcpy", "pcie-h2d": "PCIe H2D", "pcie-d2h": "PCIe D2H"}
     for n in sizes:
-        row = [next((f"{_gb(bw):>12}" for m, bw in c.points if m == n), f"{'-':>12}") for _, c in curves]
+        row = [next((_with_spread(_gb(bw), profile, f"{spread_names.get(c.kind, c.kind)} {_probe_size(n)}", 16)
+                     for m, bw in c.points if m == n), f"{'-':>16}") for _, c in curves]
         add(f"    {_size(n):<11}" + "".join(row))
     add("")
     a = profile.cpu_adamw
     dtypes = list(a.rates)
-    add(f"  host AdamW ({a.kernel}), M params/s on {_count_str(a.numel)} params, and fixed cost per call")
-    add("    threads    " + "".join(f"{dt + ' grad':>16}" for dt in dtypes) + f"{'per call':>12}")
+    add(f"  host AdamW ({a.kernel}), M params/s (spread) on {_count_str(a.numel)} params, and fixed cost per call")
+    add("    threads    " + "".join(f"{dt + ' grad':>20}" for dt in dtypes) + f"{'per call':>12}")
     for t in sorted({t for dt in dtypes for t in a.rates[dt]}):
-        add(f"    {t:<11}" + "".join(f"{a.rates[dt].get(t, float('nan')) / 1e6:>16.0f}" for dt in dtypes)
+        add(f"    {t:<11}" + "".join(_with_spread(f"{a.rates[dt][t] / 1e6:.0f}" if t in a.rates[dt] else "-", profile,
+                                                  f"host AdamW {dt} {t} threads", 20) for dt in dtypes)
             + f"{_time(a.call_overhead_s[t]) if t in a.call_overhead_s else '-':>12}")
     d = profile.cpu_device
     add(f"  device step on CPU tensors ({d.source.removeprefix('measured: ')}): pass {d.pass_rate / 1e6:.0f} M elem/s, "
         f"Adam on selected {d.adam_rate / 1e6:.0f} M elem/s, merge {d.merge_rate / 1e6:.0f} M elem/s")
     add("")
-    if saved is not None:
+    if where:
+        lines.extend("  " + line for line in where)
+        add("")
+    elif saved is not None:
         add(f"  profile written to {saved}")
         add("")
     add(quality.render())
@@ -306,10 +368,20 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
             + (f"  ({'; '.join(flags)})" if flags else ""))
     add("    pred step = model step + device-side optimizer + stall per step; stall = waiting on the host job plus "
         "copies not hidden")
+    if any(p.topk_ratio >= 1 for _, p in plans):
+        add("    topk_ratio 1 (update_interval 1): no offloading, plain AdamW on the device; chosen where offloading "
+            "would not make the step faster than the 1% tie" + (" (why: below)" if single else ""))
     if single:
         add("")
         add("  why:")
         lines.extend("    " + line for line in plans[0][1].reason.splitlines())
+        add("")
+        add("  to train with this choice (lr: yours):")
+        add("    from zenflow_triton import ZenFlowAdamW")
+        add("    " + _constructor(plans[0][1], plans[0][0].grad_dtype))
+    add("")
+    add('  or let "auto" choose at the first steps from the saved profile and your measured step time:')
+    add('    optimizer = ZenFlowAdamW(model.parameters(), lr=1e-4, topk_ratio="auto", update_interval="auto")')
     return "\n".join(lines)
 
 
@@ -380,13 +452,26 @@ def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, qualit
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _calmer_saved(target: Path, profile: Profile) -> Profile | None:
+    """The profile saved at ``target`` if it is this machine's and was measured calmer (a lower median spread,
+    :attr:`Profile.noise`) than ``profile``; None when there is none, it cannot be read, or nothing says it is calmer
+    (a schema-1 file recorded no spread)."""
+    try:
+        saved = load_profile(target)
+    except ProfileError:
+        return None
+    if saved.machine_key != profile.machine_key or saved.noise is None or profile.noise is None:
+        return None
+    return saved if saved.noise < profile.noise else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.params is None) != (args.step_time is None):
         parser.error("--params and --step-time go together")
-    if args.load is not None and (args.output is not None or args.no_save or args.quick):
-        parser.error("--load reads a saved profile; --quick, --output and --no-save apply to measuring")
+    if args.load is not None and (args.output is not None or args.no_save or args.quick or args.force):
+        parser.error("--load reads a saved profile; --quick, --output, --no-save and --force apply to measuring")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -419,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         settings = ProbeSettings.quick_settings() if args.quick else ProbeSettings.full_settings()
         settings = settings.with_overrides(adamw_numel=args.adamw_numel, max_copy_bytes=args.max_copy_bytes)
-        progress(f"measuring ({'quick' if args.quick else 'full'}; --quick takes a few seconds)")
+        progress(f"measuring ({settings.describe()}"
+                 + ("; --quick measures less, in a few seconds)" if not args.quick else ")"))
         try:
             profile = probe_machine(settings, progress=progress)
         except (RuntimeError, OSError, ValueError, ImportError) as exc:
@@ -434,17 +520,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_PROFILE
 
     single = args.params is not None
-    if args.load is None and not args.no_save:
-        target = args.output if args.output is not None else default_profile_path(profile.machine_key)
-        extra: dict[str, Any] = {}
-        if single:
-            extra["plan"] = plans[0][1].to_dict()
-        try:
-            saved = save_profile(profile, target, extra=extra)
-        except OSError as exc:
-            _err(f"cannot write the profile to {target}: {exc.strerror or exc}")
-            return EXIT_WRITE_FAILED
-        progress(f"profile written to {saved}")
+    auto_reads = default_profile_path(profile.machine_key)  # where "auto" looks on this machine
+    where: list[str] = []
+    if args.load is not None:
+        where.append(f"profile loaded from {path}")
+    elif args.no_save:
+        where.append(f'profile not saved (--no-save); "auto" reads {auto_reads} if it exists, else measures quickly')
+    else:
+        target = args.output if args.output is not None else auto_reads
+        calmer = None if args.force else _calmer_saved(target, profile)
+        if calmer is not None:
+            where.append(f"profile not saved: {target} holds one measured calmer (median spread {calmer.noise:.0%}, "
+                         f"this run {profile.noise:.0%}), which stays; --force replaces it")
+            _err(where[-1])
+        else:
+            extra: dict[str, Any] = {}
+            if single:
+                extra["plan"] = plans[0][1].to_dict()
+            try:
+                saved = save_profile(profile, target, extra=extra)
+            except OSError as exc:
+                _err(f"cannot write the profile to {target}: {exc.strerror or exc}")
+                return EXIT_WRITE_FAILED
+            progress(f"profile written to {saved}")
+            where.append(f"profile written to {saved}")
+        if Path(target).expanduser().resolve() == auto_reads.expanduser().resolve():
+            named = f" (named by ${ENV_VAR})" if os.environ.get(ENV_VAR) else ""
+            where.append(f'"auto" (topk_ratio="auto", update_interval="auto") reads it from there{named}')
+        else:
+            where.append(f'"auto" reads {auto_reads}, not this file: run training with {ENV_VAR}={target} '
+                         "in its environment to use it")
 
     if args.plot is not None:
         # The plot needs one model: the one given, else the middle example.
@@ -459,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         doc = {
             "profile_path": None if saved is None else str(saved),
+            "profile_note": where,
+            "busy": profile.busy(),
             "profile": profile.to_dict(),
             "quality_table": {"source": quality.source, "task": quality.task, "command": quality.command},
             "plans": [dict(p.to_dict(), params=w.numel, step_time_s=w.step_time_s, device=w.device)
@@ -466,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         print(json.dumps(doc, indent=2))
     else:
-        print(_render(profile, plans, saved, single, quality))
+        print(_render(profile, plans, saved, single, quality, where))
     return EXIT_OK
 
 

@@ -97,8 +97,9 @@ class ProbeSettings:
                    f"{', '.join(map(str, self.thread_counts))} threads")
         numel = (f"{self.adamw_numel:,} params" if self.adamw_numel else
                  f"{'2' if self.quick else '4'}x the last-level cache")
-        return (f"{'quick' if self.quick else 'full'}: copies at {len(sizes)} sizes ({span}) x {self.copy_repeats} "
-                f"repeats; host AdamW on {numel} at {threads} x {self.adamw_repeats} repeats")
+        plural = "s" if len(sizes) > 1 else ""
+        return (f"{'quick' if self.quick else 'full'}: copies at {len(sizes)} size{plural} ({span}) x "
+                f"{self.copy_repeats} repeats; host AdamW on {numel} at {threads} x {self.adamw_repeats} repeats")
 
     def with_overrides(self, *, adamw_numel: int | None = None, max_copy_bytes: int | None = None) -> ProbeSettings:
         """Smaller runs (tests, small machines): cap the AdamW buffer and the largest copy."""

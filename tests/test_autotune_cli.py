@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from autotune_profiles import BAD_PROFILES, synthetic_profile
 
 from zenflow_triton.auto import Knobs
@@ -237,7 +239,7 @@ def test_the_parameter_count_prints_as_given_and_the_table_matches_the_json(save
     assert code == cli.EXIT_OK, err
     assert table_row(out).startswith(expected_row(plan))
     assert table_row(out).startswith(given + " ")
-    why = out.split("  why:\n", 1)[1].splitlines()
+    why = out.split("  why:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.strip() for line in why] == plan["reason"].splitlines()
     assert f"budget {plan['max_loss_ratio']:g}" in why[0]
 
@@ -341,3 +343,123 @@ def test_an_undecodable_quality_table_exits_7(saved_profile, tmp_path, capsys):
     code, _, err = run(["--load", str(saved_profile), "--quality-table", str(table)], capsys)
     assert code == cli.EXIT_BAD_QUALITY_TABLE
     assert str(table) in err and "UTF-8" in err
+
+
+# ----------------------------------------------------------------------------------- for a person (issue 20, #13)
+
+
+def two_core_profile(**changes):
+    """The synthetic profile on a 2-core machine (this VM's size), so its cpu_threads choice is valid here."""
+    prof = synthetic_profile()
+    rates = {dt: {1: tab[1], 2: tab[2]} for dt, tab in prof.cpu_adamw.rates.items()}
+    adamw = dataclasses.replace(prof.cpu_adamw, rates=rates, call_overhead_s={1: 2e-5, 2: 3e-5})
+    return dataclasses.replace(prof, cpu_cores=2, cpu_adamw=adamw, **changes)
+
+
+def test_the_printed_constructor_builds_the_chosen_optimizer(tmp_path, capsys):
+    path = save_profile(two_core_profile(), tmp_path / "p.json")
+    argv = ["--load", str(path), "--params", "50M", "--step-time", "0.2"]
+    code, out, err = run([*argv, "--json"], capsys)
+    (plan,) = json.loads(out)["plans"]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_OK, err
+    (call,) = [line.strip() for line in out.splitlines() if line.strip().startswith("optimizer = ZenFlowAdamW(")
+               and '"auto"' not in line]
+    assert f"topk_ratio={plan['topk_ratio']:g}" in call and f"update_interval={plan['update_interval']}" in call
+    model = torch.nn.Linear(64, 32)
+    namespace = {"model": model, "ZenFlowAdamW": __import__("zenflow_triton").ZenFlowAdamW}
+    exec(call, namespace)  # pasted as printed
+    opt = namespace["optimizer"]
+    try:
+        st = opt.stats()
+        assert (st["topk_ratio"], st["update_interval"], st["cpu_threads"]) == (
+            plan["topk_ratio"], plan["update_interval"], plan["cpu_threads"])
+    finally:
+        opt.close()
+    assert 'topk_ratio="auto", update_interval="auto"' in out
+
+
+def test_a_bfloat16_plan_pastes_its_grad_dtype(tmp_path, capsys):
+    path = save_profile(two_core_profile(), tmp_path / "p.json")
+    code, out, _ = run(["--load", str(path), "--params", "50M", "--step-time", "0.2", "--grad-dtype", "bfloat16"],
+                       capsys)
+    assert code == cli.EXIT_OK and 'grad_dtype="bfloat16")' in out
+
+
+def test_the_output_says_where_the_profile_went_and_whether_auto_reads_it(tmp_path, monkeypatch, capsys):
+    code, out, err = run(TINY, capsys)  # the default: the per-user cache, where "auto" looks
+    assert code == cli.EXIT_OK, err
+    (cached,) = (tmp_path / "xdg" / "zenflow_triton").glob("profile-*.json")
+    assert f"profile written to {cached}" in out
+    assert '"auto" (topk_ratio="auto", update_interval="auto") reads it from there' in out
+    elsewhere = tmp_path / "mine.json"
+    code, out, err = run([*TINY, "--output", str(elsewhere)], capsys)
+    assert code == cli.EXIT_OK, err
+    assert f"profile written to {elsewhere}" in out and f"{ENV_VAR}={elsewhere}" in out
+    code, out, _ = run([*TINY, "--no-save"], capsys)
+    assert "profile not saved (--no-save)" in out
+    monkeypatch.setenv(ENV_VAR, str(elsewhere))
+    code, out, _ = run([*TINY, "--force"], capsys)
+    assert f"profile written to {elsewhere}" in out and f"named by ${ENV_VAR}" in out
+    code, out, _ = run(["--load"], capsys)
+    assert f"profile loaded from {elsewhere}" in out
+
+
+def noisy(noise: float, **changes):
+    return two_core_profile(spread={"memcpy 1 MiB": noise, "host AdamW float32 1 threads": noise}, **changes)
+
+
+@pytest.mark.parametrize(("saved", "new", "force", "replaced"), [
+    (0.02, 0.40, False, False),  # a calmer saved profile stays
+    (0.02, 0.40, True, True),    # unless --force
+    (0.40, 0.02, False, True),   # a calmer run replaces a noisy one
+    (None, 0.40, False, True),   # a schema-1 profile recorded no spread: nothing says it is calmer
+])
+def test_a_calmer_saved_profile_is_kept_unless_forced(tmp_path, monkeypatch, capsys, saved, new, force, replaced):
+    target = tmp_path / "p.json"
+    old = two_core_profile(created="old") if saved is None else noisy(saved, created="old")
+    save_profile(old, target)
+    monkeypatch.setattr(cli, "probe_machine", lambda *a, **k: noisy(new, created="new"))
+    code, out, err = run(["--output", str(target), *(["--force"] if force else []), "-q"], capsys)
+    assert code == cli.EXIT_OK, err
+    assert load_profile(target).created == ("new" if replaced else "old")
+    if not replaced:
+        assert "holds one measured calmer (median spread 2%, this run 40%)" in out and "--force" in err
+
+
+def test_a_busy_machine_is_warned_about_and_each_figure_shows_its_spread(tmp_path, capsys):
+    busy = save_profile(noisy(0.4, load_average=5.0), tmp_path / "busy.json")
+    code, out, _ = run(["--load", str(busy)], capsys)
+    assert "WARNING: the machine was busy while measuring (load average 5.0 on 2 cores; the repeats of a typical " \
+           "figure disagree by 40%" in out
+    assert "5.00 (40%)" in out  # memcpy 1 MiB, 5 GB/s
+    assert "300 (40%)" in out  # host AdamW float32 at 1 thread, 300 M params/s
+    calm = save_profile(noisy(0.01, load_average=0.5), tmp_path / "calm.json")
+    code, out, _ = run(["--load", str(calm), "--json"], capsys)
+    assert json.loads(out)["busy"] is None
+    code, out, _ = run(["--load", str(calm)], capsys)
+    assert "WARNING" not in out and "spread        median 1% over 2 figures" in out
+
+
+def test_quick_and_full_say_what_they_measure(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli, "probe_machine", lambda settings, **k: seen.append(settings) or two_core_profile())
+    _, _, quick = run(["--quick", "--no-save"], capsys)
+    _, _, full = run(["--no-save"], capsys)
+    assert seen[0].quick and not seen[1].quick
+    assert seen[0].describe() in quick and seen[1].describe() in full
+    assert "x 3 repeats" in quick and "x 5 repeats" in full and "3 sizes" in quick and "6 sizes" in full
+
+
+def test_load_and_force_do_not_go_together(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--load", "--force"])
+    assert "--force" in capsys.readouterr().err
+
+
+def test_a_plan_of_r_1_is_explained_in_the_table(tmp_path, capsys):
+    path = save_profile(two_core_profile(), tmp_path / "p.json")
+    code, out, _ = run(["--load", str(path), "--params", "1M", "--step-time", "1"], capsys)
+    assert code == cli.EXIT_OK
+    assert "topk_ratio 1 (update_interval 1): no offloading, plain AdamW on the device" in out
+    assert "why no offloading:" in out and "topk_ratio=1, update_interval=1, cpu_threads" in out
