@@ -548,8 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             named = f" (named by ${ENV_VAR})" if os.environ.get(ENV_VAR) else ""
             where.append(f'"auto" (topk_ratio="auto", update_interval="auto") reads it from there{named}')
         else:
-            where.append(f'"auto" reads {auto_reads}, not this file: run training with {ENV_VAR}={target} '
-                         "in its environment to use it")
+            where.append(f'"auto" reads {auto_reads}, not this file: run training with '
+                         f"{ENV_VAR}={Path(target).expanduser().resolve()} in its environment to use it")
 
     if args.plot is not None:
         # The plot needs one model: the one given, else the middle example.
