@@ -305,12 +305,14 @@ def measure_host_adamw(
     grad_dtypes: Sequence[str] = ("float32", "bfloat16"),
     progress: Progress | None = None,
     spread: dict[str, float] | None = None,
+    durations: dict[str, float] | None = None,
 ) -> CpuAdamwRates:
     """Params/s of the host AdamW kernel at each thread count and landing dtype (bf16 snapshot written).
 
     Uses ``kernels.cpu_adamw`` (numba); falls back to ``kernels.reference`` (torch threads) if that cannot be
     imported. The first call may compile the numba kernel (cached on disk afterwards). ``spread``, when given,
-    receives each rate's spread (``"host AdamW float32 2 threads"``).
+    receives each rate's spread (``"host AdamW float32 2 threads"``), ``durations`` the seconds spent compiling
+    (``"compile"``), which a first run pays and later runs do not.
     """
     from zenflow_triton.host_memory import HostSlab
 
@@ -355,6 +357,8 @@ def measure_host_adamw(
     for dt in grad_dtypes:
         call(tiny_grads[dt], 1, tiny)
     compile_s = time.perf_counter() - start
+    if durations is not None:
+        durations["compile"] = compile_s
     if compile_s > 0.5:
         _say(progress, f"host AdamW ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
 
@@ -499,7 +503,8 @@ def probe_machine(
     numel = settings.adamw_numel or max(floor, multiple * llc // _ADAMW_BYTES_PER_ELEM)
     start = time.perf_counter()
     cpu_adamw = measure_host_adamw(numel=numel, thread_counts=_thread_counts(cores, settings),
-                                   repeats=settings.adamw_repeats, progress=progress, spread=spread)
+                                   repeats=settings.adamw_repeats, progress=progress, spread=spread,
+                                   durations=durations)
     durations["host_adamw"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -82,6 +82,7 @@ def test_pcie_and_gpu_probes_measure_the_device():
 @pytest.mark.gpu
 def test_probe_machine_with_a_gpu(tiny_profile):
     assert tiny_profile.gpu is not None and tiny_profile.gpu_unavailable is None
+    assert {"PCIe H2D 64 KiB", "PCIe D2H 1 MiB", "device copy"} <= set(tiny_profile.spread)
     assert not tiny_profile.machine_key.endswith("__nogpu")
 
 
@@ -100,6 +101,7 @@ def test_every_figure_records_its_spread_and_the_repeats(tiny_profile):
     threads = {t for tab in prof.cpu_adamw.rates.values() for t in tab}
     assert {f"host AdamW {dt} {t} threads" for dt in ("float32", "bfloat16") for t in threads} <= names
     assert all(v >= 0 for v in prof.spread.values()) and prof.noise is not None
+    assert 0 <= prof.durations["compile"] <= prof.durations["host_adamw"]
     assert prof.load_average is None or prof.load_average >= 0
 
 
