@@ -274,10 +274,11 @@ def _measured(profile: Profile) -> str:
     adamw_reps = f" x {reps['host_adamw']} repeats" if "host_adamw" in reps else ""
     total = profile.durations.get("total")
     compiled = profile.durations.get("compile", 0.0)
-    # A first run on a machine compiles the numba kernels (seconds); said apart, so a quick first run taking longer
-    # than a full second one reads as what it is.
+    # A first run on a machine compiles the numba kernels (seconds; later runs load them): said apart, so a quick
+    # first run taking longer than a full second one reads as what it is.
     took = "" if not total else f"; measured in {total:.1f} s" + (
-        f", {compiled:.1f} s of it compiling the host kernels (once per machine)" if compiled >= 0.5 else "")
+        f", {compiled:.1f} s of it preparing the host kernels (numba compiles them on a machine's first run)"
+        if compiled >= 0.5 else "")
     plural = "s" if len(sizes) > 1 else ""
     return (f"{'quick' if profile.quick else 'full'}: copies at {len(sizes)} size{plural} ({span}){copy_reps}; "
             f"host AdamW on {_count_str(profile.cpu_adamw.numel)} params at {', '.join(map(str, threads))} "

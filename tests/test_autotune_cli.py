@@ -435,7 +435,7 @@ def test_a_busy_machine_is_warned_about_and_each_figure_shows_its_spread(tmp_pat
     assert "5.00 (40%)" in out  # memcpy 1 MiB, 5 GB/s
     assert "300 (40%)" in out  # host AdamW float32 at 1 thread, 300 M params/s
     compiled = save_profile(noisy(0.4, durations={"total": 3.0, "compile": 1.2}), tmp_path / "c.json")
-    assert "measured in 3.0 s, 1.2 s of it compiling the host kernels" in run(["--load", str(compiled)], capsys)[1]
+    assert "measured in 3.0 s, 1.2 s of it preparing the host kernels" in run(["--load", str(compiled)], capsys)[1]
     calm = save_profile(noisy(0.01, load_average=0.5), tmp_path / "calm.json")
     code, out, _ = run(["--load", str(calm), "--json"], capsys)
     assert json.loads(out)["busy"] is None
