@@ -10,6 +10,10 @@ and on any machine, to check the script's logic with a tiny decoder on CPU (a fe
 
 Without CUDA (and without ``--dry-run``) it exits at once with status 2 and "needs a CUDA GPU".
 
+On a bare machine (the package not installed, no network), the same command first makes this tree's
+``zenflow_triton`` importable: ``pip install -e`` without an index where setuptools >= 77, else run from the tree
+(``tree_install.py``).
+
 Phases, each with its own time limit, so one that hangs or fails does not take the others with it:
 
 1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR), all but the stress tests;
@@ -57,7 +61,17 @@ from typing import Any
 import torch
 from common import BENCH_DIR, load_average, machine_info
 from decoder import Decoder, DecoderConfig
-from providers import (
+
+# Run as the device command on a bare machine: make this tree's zenflow_triton importable (installed, or run from the
+# tree) before providers imports it, and before the pytest phases start (tree_install.py says how).
+INSTALL: dict[str, str] = {"how": "imported as a module"}
+if __name__ == "__main__":
+    from tree_install import ensure_importable
+
+    INSTALL = ensure_importable(BENCH_DIR.parent)
+    print(f"# zenflow_triton: {INSTALL['how']}" + (f" ({INSTALL['why']})" if INSTALL["why"] else ""), flush=True)
+
+from providers import (  # noqa: E402
     OptimizerProvider,
     auto_unavailable_reason,
     close_optimizer,
@@ -425,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     report: dict[str, Any] = {"machine": machine, "mode": "dry-run" if args.dry_run else ("quick" if args.quick
                                                                                           else "full")}
+    report["install"] = INSTALL
     failed = False
 
     def remaining() -> float:
