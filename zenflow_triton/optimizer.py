@@ -403,13 +403,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     ops.column_sumsq_(score_of(p), g2)
                 windows[p] = Window(p, hp, grad=g2.detach())
                 continue
-            if tau >= 1 and rec.masks.num_unselected < rec.cols:
-                st["col_step"].add_(rec.masks.selected)
-            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns, the rest summed into acc.
+            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
+            # in the same pass), the rest summed into acc.
             calls.append(FusedStepArgs(
                 param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
                 exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=st["acc"], hp=hp,
                 accumulate=st["acc_count"] > 0, update_score=update_score,
+                count_step=tau >= 1 and rec.masks.num_unselected < rec.cols,
             ))
             st["acc_count"] += 1
         if calls:
