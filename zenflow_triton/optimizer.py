@@ -53,8 +53,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         warmup_steps: steps of synchronous AdamW on every element before selection starts.
         overlap: apply each window's host result one window late instead of waiting for it.
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
-        cpu_threads: numba threads of the host worker (None: all cores but one, and every core for a window that
-            step() waits for anyway: warm-up steps and ``overlap=False``).
+        cpu_threads: numba threads of the host worker (None: all cores but one, but two with CUDA parameters, and
+            every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
@@ -96,11 +96,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
         )
         self._device: torch.device | None = None
-        self._knobs = Knobs(self.config)
         self._stats = Stats()
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
         super().__init__(params, defaults)
+        self._knobs = Knobs(self.config, device=self._device)  # after the params: cpu_threads' default is per device
         if self._device is not None:
             # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
             load_device_ops(self.config.backend, self._device)
