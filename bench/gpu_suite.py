@@ -23,6 +23,8 @@ Phases, each with its own time limit, so one that hangs or fails does not take t
 3. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess: the kernels' bandwidth against a
    device copy, a step's launches for 56 matrices of a ~1B decoder (one grouped launch, and one launch per matrix)
    against ``torch.optim.AdamW(fused=True)`` on the same shapes, and the host time to issue them per parameter;
+   the report judges the kernel goals on the grouped launch (``KERNEL_GOALS``: ``ratio_to_copy`` >= 0.8,
+   ``ratio_to_torch_fused`` >= 2, ``enqueue_us_per_param`` <= 10);
 4. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
    random init, bf16, no positional encoding: positions do not change the cost) fine-tuned for some steps with each
    provider: no offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
@@ -174,6 +176,38 @@ def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
         return []
     return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
             for b in data.get("benchmarks", [])]
+
+
+# The device kernels' goals, judged on one step's grouped fused step over the weights of 8 layers of a 1B decoder
+# (bench_device_kernels.py's test_fused_steps_grouped): (figure, at least or at most, target, what it means).
+KERNEL_GOALS = (
+    ("ratio_to_copy", "min", 0.8, "streams at >= 80% of the bandwidth of a device copy of the same bytes"),
+    ("ratio_to_torch_fused", "min", 2.0, "costs <= 0.5x torch.optim.AdamW(fused=True).step() on the same weights"),
+    ("enqueue_us_per_param", "max", 10.0, "<= 10 us of host time per parameter to issue the step's launches"),
+)
+GOALS_BENCH = "test_fused_steps_grouped"
+
+
+def kernel_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each goal of ``KERNEL_GOALS`` with the measured figure and whether it is met (None when not measured)."""
+    row = next((r for r in rows if r.get("name") == GOALS_BENCH), {})
+    out = []
+    for key, sense, target, what in KERNEL_GOALS:
+        value = row.get(key)
+        met = None if value is None else (value >= target if sense == "min" else value <= target)
+        out.append({"figure": key, "value": value, "target": target, "sense": sense, "goal": what, "met": met})
+    return out
+
+
+def goals_markdown(goals: list[dict[str, Any]]) -> str:
+    lines = [f"Goals, from `{GOALS_BENCH}`:", "", "| goal | figure | measured | target | met |",
+             "|---|---|---:|---:|---|"]
+    for g in goals:
+        value = "–" if g["value"] is None else f"{g['value']:.2f}"
+        met = {None: "not measured", True: "yes", False: "NO"}[g["met"]]
+        bound = ">=" if g["sense"] == "min" else "<="
+        lines.append(f"| {g['goal']} | `{g['figure']}` | {value} | {bound} {g['target']:g} | {met} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
@@ -398,6 +432,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"| {r.get('enqueue_us_per_param', nan):.1f} |" for r in rows))
     else:
         parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
+    parts.append(goals_markdown(kernel_goals(rows)))
     d = s["model"]
     parts += [
         "## End to end",
@@ -488,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd.append("--benchmark-disable")
         r = run_subprocess("device_kernels", cmd, out, min(0.15 * budget, remaining() - 60))
         r["rows"] = kernel_bench_rows(bjson)
+        r["goals"] = kernel_goals(r["rows"])
         failed |= r.get("returncode") not in (0, 5)
         report["device_kernels"] = r
         save()

@@ -581,15 +581,16 @@ def test_fused_steps_checks_every_call_like_fused_step():
 
 @pytest.mark.gpu
 def test_cuda_fused_steps_equals_fused_step_per_call():
-    """Compiled: the grouped kernel against the per-parameter one, bit for bit, scores included. (Elementwise results
-    cannot differ; the scores could only if the two kernels' tiles got different register layouts, whose in-tile
-    reduction trees differ: this is the check that they do not.)"""
+    """Compiled: the grouped kernel against the per-parameter one, bit for bit, scores and step counts included. (The
+    scores were at risk: the two kernels' tiles got different register layouts, and tl.sum's in-tile reduction tree
+    follows the layout; column_sums fixes the order by construction. 30011 columns: the unaligned launch.)"""
     shapes = [(4096, 4096, 410), (11008, 1024, 103), (257, 30011, 3001), (2048, 2048, 0), (8192, 512, 52)]
     for dtype in DTYPES:
         grouped = []
         for i, (rows, cols, k) in enumerate(shapes):
             case = {n: t.cuda() for n, t in make_case(rows, cols, k, dtype, seed=i).items()}
-            grouped.append((case, dict(accumulate=i % 2 == 0, update_score=i != 3, hp=replace(HP, decoupled=i != 2))))
+            grouped.append((case, dict(accumulate=i % 2 == 0, update_score=i != 3, count_step=i != 1,
+                                       hp=replace(HP, decoupled=i != 2))))
         single = [(clone(case), kw) for case, kw in grouped]
         for case, kw in single:
             c = _args(case, kw)
