@@ -42,11 +42,11 @@ __all__ = [
 
 # Programs a launch aims for. No GPU was available when this was written, so it is reasoning, not a measurement:
 # an H100/H200 has 132 SMs. colnorm and merge (40-76 registers per thread) keep ~6-12 of their 4-warp programs
-# resident per SM, so ~1024 programs is about one wave for them; the fused step with compact state uses 140-184
+# resident per SM, so ~1024 programs is about one wave for them; the fused step with compact state uses 145-181
 # registers per thread (ptxas for sm_90a, compiled on a CPU), so only 2-3 per SM and ~1024 programs is 3-4 waves.
 # It depends on the shape only, never on the device: the per-column score sums are added in an order fixed by the
-# split plan, so the same shape gives bit-identical scores from run to run (and on every GPU, as long as the Triton
-# version and num_warps, which fix the in-tile reduction tree, stay the same).
+# split plan and, within a tile, by column_sums, so the same shape gives bit-identical scores from run to run and
+# on every GPU.
 TARGET_PROGRAMS = 1024
 # Fewest rows one split streams. A split pays a fixed cost (per-column metadata loads, the bias-correction powers,
 # one [BLOCK_C] partial-sum store and its re-read in add_partials_); at 256 rows x 128 columns it streams >= 64 KiB

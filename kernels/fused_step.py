@@ -45,9 +45,11 @@ if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run tim
 __all__ = ["fused_step_", "fused_steps_"]
 
 # Tile on CUDA. No GPU was available to measure, so this is reasoning, to be replaced by a measurement: a tile of
-# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their 64-bit offsets.
-# Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) use 140-184
-# registers per thread, no spills; without state 21-56. So 2-3 resident programs per SM, not the ~6 first assumed:
+# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their offsets.
+# Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) used 140-184
+# registers per thread, no spills; without state 21-56. With 32-bit offsets where R*C allows (WIDE=False) the
+# per-parameter variants with state take 145-152 (from 168), the grouped ones 158-181 and 48-54 without state
+# (tests/triton_sm90_compile.py reports them per variant). So 2-3 resident programs per SM, not the ~6 first assumed:
 # ~20 registers per element in flight, and 8 x 128 with 8 warps or 4 x 128 with 4 warps (106-112 registers, half the
 # elements per thread) keep the same ~20 per element, so they put no more bytes in flight; 16 x 128 reaches 255.
 # In flight per program: 1024 elements of grad + acc (6-8 KiB) and, on selected columns, up to 12 KiB of compact

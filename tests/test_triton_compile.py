@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +39,9 @@ def test_kernels_compile_for_sm90() -> None:
     assert len(report["compiled"]) >= 24
     assert all(c["cubin_bytes"] > 0 for c in report["compiled"]), "ptxas produced no cubin"
     for c in report["compiled"]:  # the per-variant figures, in the test log (pytest -rA or a failure shows them)
+        constexprs = " ".join(f"{k}={v}" for k, v in re.findall(r"\('([A-Z_0-9]+)', '([^']*)'\)", c["variant"]))
         print(f"{c['kernel']} regs={c['n_regs']} spill_bytes={c['spill_bytes']} ld v4/v2/scalar={c['ld_v4']}/"
-              f"{c['ld_v2']}/{c['ld_scalar']} st v4/v2/scalar={c['st_v4']}/{c['st_v2']}/{c['st_scalar']} "
-              f"{c['variant'][-400:]}")
+              f"{c['ld_v2']}/{c['ld_scalar']} st v4/v2/scalar={c['st_v4']}/{c['st_v2']}/{c['st_scalar']} {constexprs}")
     # The grouped fused step streams its gradient tiles with 128-bit loads once the host vouches for the alignment
     # (ALIGNED, the launch for aligned tensors and C % 16 == 0), as the per-parameter kernel does from Triton's own
     # argument specialization; without them every element is its own load instruction.
