@@ -75,3 +75,14 @@ def test_stress_line_says_what_happened() -> None:
     assert gpu_suite.stress_line({"tests": 3, "skipped": 0, "seconds": 61.2}).startswith("passed: 3 of 3")
     assert "FAILED: a::b" in gpu_suite.stress_line({"tests": 3, "failures": 1, "failed": ["a::b"]})
     assert "timed out" in gpu_suite.stress_line({"error": "timed out after 84 s"})
+
+
+def test_kernel_goals_are_judged_from_the_grouped_bench() -> None:
+    rows = [{"name": "test_fused_steps_grouped", "median_s": 1e-3, "ratio_to_copy": 0.85,
+             "ratio_to_torch_fused": 1.6, "enqueue_us_per_param": 4.0}, {"name": "test_copy", "ratio_to_copy": 1.0}]
+    goals = {g["figure"]: g for g in gpu_suite.kernel_goals(rows)}
+    assert (goals["ratio_to_copy"]["met"], goals["ratio_to_torch_fused"]["met"],
+            goals["enqueue_us_per_param"]["met"]) == (True, False, True)
+    md = gpu_suite.goals_markdown(list(goals.values()))
+    assert "| NO |" in md and "1.60" in md
+    assert all(g["met"] is None for g in gpu_suite.kernel_goals([]))  # not measured (no GPU), not failed

@@ -10,6 +10,10 @@ and on any machine, to check the script's logic with a tiny decoder on CPU (a fe
 
 Without CUDA (and without ``--dry-run``) it exits at once with status 2 and "needs a CUDA GPU".
 
+On a bare machine (the package not installed, no network), the same command first makes this tree's
+``zenflow_triton`` importable: ``pip install -e`` without an index where setuptools >= 77, else run from the tree
+(``tree_install.py``).
+
 Phases, each with its own time limit, so one that hangs or fails does not take the others with it:
 
 1. ``pytest -m gpu tests`` in a subprocess (JUnit XML and log in OUTDIR), all but the stress tests;
@@ -19,6 +23,8 @@ Phases, each with its own time limit, so one that hangs or fails does not take t
 3. ``pytest bench/bench_device_kernels.py --benchmark-json ...`` in a subprocess: the kernels' bandwidth against a
    device copy, a step's launches for 56 matrices of a ~1B decoder (one grouped launch, and one launch per matrix)
    against ``torch.optim.AdamW(fused=True)`` on the same shapes, and the host time to issue them per parameter;
+   the report judges the kernel goals on the grouped launch (``KERNEL_GOALS``: ``ratio_to_copy`` >= 0.8,
+   ``ratio_to_torch_fused`` >= 2, ``enqueue_us_per_param`` <= 10);
 4. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
    random init, bf16, no positional encoding: positions do not change the cost) fine-tuned for some steps with each
    provider: no offload (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
@@ -57,7 +63,17 @@ from typing import Any
 import torch
 from common import BENCH_DIR, load_average, machine_info
 from decoder import Decoder, DecoderConfig
-from providers import (
+
+# Run as the device command on a bare machine: make this tree's zenflow_triton importable (installed, or run from the
+# tree) before providers imports it, and before the pytest phases start (tree_install.py says how).
+INSTALL: dict[str, str] = {"how": "imported as a module"}
+if __name__ == "__main__":
+    from tree_install import ensure_importable
+
+    INSTALL = ensure_importable(BENCH_DIR.parent)
+    print(f"# zenflow_triton: {INSTALL['how']}" + (f" ({INSTALL['why']})" if INSTALL["why"] else ""), flush=True)
+
+from providers import (  # noqa: E402
     OptimizerProvider,
     auto_unavailable_reason,
     close_optimizer,
@@ -160,6 +176,38 @@ def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
         return []
     return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
             for b in data.get("benchmarks", [])]
+
+
+# The device kernels' goals, judged on one step's grouped fused step over the weights of 8 layers of a 1B decoder
+# (bench_device_kernels.py's test_fused_steps_grouped): (figure, at least or at most, target, what it means).
+KERNEL_GOALS = (
+    ("ratio_to_copy", "min", 0.8, "streams at >= 80% of the bandwidth of a device copy of the same bytes"),
+    ("ratio_to_torch_fused", "min", 2.0, "costs <= 0.5x torch.optim.AdamW(fused=True).step() on the same weights"),
+    ("enqueue_us_per_param", "max", 10.0, "<= 10 us of host time per parameter to issue the step's launches"),
+)
+GOALS_BENCH = "test_fused_steps_grouped"
+
+
+def kernel_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each goal of ``KERNEL_GOALS`` with the measured figure and whether it is met (None when not measured)."""
+    row = next((r for r in rows if r.get("name") == GOALS_BENCH), {})
+    out = []
+    for key, sense, target, what in KERNEL_GOALS:
+        value = row.get(key)
+        met = None if value is None else (value >= target if sense == "min" else value <= target)
+        out.append({"figure": key, "value": value, "target": target, "sense": sense, "goal": what, "met": met})
+    return out
+
+
+def goals_markdown(goals: list[dict[str, Any]]) -> str:
+    lines = [f"Goals, from `{GOALS_BENCH}`:", "", "| goal | figure | measured | target | met |",
+             "|---|---|---:|---:|---|"]
+    for g in goals:
+        value = "–" if g["value"] is None else f"{g['value']:.2f}"
+        met = {None: "not measured", True: "yes", False: "NO"}[g["met"]]
+        bound = ">=" if g["sense"] == "min" else "<="
+        lines.append(f"| {g['goal']} | `{g['figure']}` | {value} | {bound} {g['target']:g} | {met} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
@@ -384,6 +432,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"| {r.get('enqueue_us_per_param', nan):.1f} |" for r in rows))
     else:
         parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
+    parts.append(goals_markdown(kernel_goals(rows)))
     d = s["model"]
     parts += [
         "## End to end",
@@ -425,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     report: dict[str, Any] = {"machine": machine, "mode": "dry-run" if args.dry_run else ("quick" if args.quick
                                                                                           else "full")}
+    report["install"] = INSTALL
     failed = False
 
     def remaining() -> float:
@@ -473,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd.append("--benchmark-disable")
         r = run_subprocess("device_kernels", cmd, out, min(0.15 * budget, remaining() - 60))
         r["rows"] = kernel_bench_rows(bjson)
+        r["goals"] = kernel_goals(r["rows"])
         failed |= r.get("returncode") not in (0, 5)
         report["device_kernels"] = r
         save()

@@ -38,7 +38,8 @@ def _stub_triton() -> None:
     fused_step._fused_step_kernel = _NoLaunch()
     fused_step._fused_steps_kernel = _NoLaunch()
     _triton_utils._add_partials_kernel = _NoLaunch()
-    _triton_utils._add_partials_grouped_kernel = _NoLaunch()
+    _triton_utils._finish_steps_grouped_kernel = _NoLaunch()
+    _triton_utils._finish_steps_kernel = _NoLaunch()
     fused_step.check_launch_device = lambda *a, **k: None
 
 

@@ -22,10 +22,16 @@ except ImportError as exc:  # pragma: no cover - only where Triton is missing
 __all__ = [
     "ADD_PARTIALS_BLOCK",
     "RowSplitPlan",
+    "FINISH_ADD_SCORES",
+    "FINISH_COUNT_STEPS",
+    "FINISH_FIELDS",
     "add_partials_",
-    "add_partials_grouped_",
     "check_launch_device",
+    "column_sums",
+    "count_selected_steps",
     "device_guard",
+    "finish_steps_",
+    "finish_steps_grouped_",
     "fp32_to_bf16_bits",
     "interpreting",
     "plan_row_splits",
@@ -36,11 +42,11 @@ __all__ = [
 
 # Programs a launch aims for. No GPU was available when this was written, so it is reasoning, not a measurement:
 # an H100/H200 has 132 SMs. colnorm and merge (40-76 registers per thread) keep ~6-12 of their 4-warp programs
-# resident per SM, so ~1024 programs is about one wave for them; the fused step with compact state uses 140-184
+# resident per SM, so ~1024 programs is about one wave for them; the fused step with compact state uses 145-181
 # registers per thread (ptxas for sm_90a, compiled on a CPU), so only 2-3 per SM and ~1024 programs is 3-4 waves.
 # It depends on the shape only, never on the device: the per-column score sums are added in an order fixed by the
-# split plan, so the same shape gives bit-identical scores from run to run (and on every GPU, as long as the Triton
-# version and num_warps, which fix the in-tile reduction tree, stay the same).
+# split plan and, within a tile, by column_sums, so the same shape gives bit-identical scores from run to run and
+# on every GPU.
 TARGET_PROGRAMS = 1024
 # Fewest rows one split streams. A split pays a fixed cost (per-column metadata loads, the bias-correction powers,
 # one [BLOCK_C] partial-sum store and its re-read in add_partials_); at 256 rows x 128 columns it streams >= 64 KiB
@@ -169,6 +175,35 @@ def store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, sums, SC
 
 
 @triton.jit
+def column_sums(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``x [ROWS, COLS]`` summed over its rows in a fixed pairwise order: rows (0 + 1), (2 + 3), ... then those pairs
+    pairwise, down to one row (``ROWS`` a power of two, at most 1024).
+
+    ``tl.sum(x, axis=0)`` adds in an order set by the tensor's layout (how many rows each thread holds, then a
+    butterfly across threads and warps), which the compiler picks per kernel: the per-parameter and the grouped fused
+    step compiled to different layouts for the same [8, 128] tile (TTGIR ``warpsPerCTA`` [4, 1] against [1, 4]), so
+    their scores, and so their selections, could differ in the last bit. Here every addition is an elementwise add of
+    two named halves, so the result is the same whatever the layout: in every kernel, on every GPU and in the
+    interpreter (given the same tile height and split plan)."""
+    t = tl.trans(x)
+    for i in tl.static_range(10):
+        if (ROWS >> i) > 1:
+            t = tl.reshape(t, [COLS, ROWS >> (i + 1), 2])
+            even, odd = tl.split(t)
+            t = even + odd
+    return tl.reshape(t, [COLS])
+
+
+@triton.jit
+def count_selected_steps(slot_ptr, col_step_ptr, cols, col_mask):
+    """``col_step += 1`` on the selected columns (``slot >= 0``) among ``cols``."""
+    slot = tl.load(slot_ptr + cols, mask=col_mask, other=-1)
+    sel = col_mask & (slot >= 0)
+    steps = tl.load(col_step_ptr + cols, mask=sel, other=0)
+    tl.store(col_step_ptr + cols, steps + 1, mask=sel)
+
+
+@triton.jit
 def _add_partials_block(score_ptr, partial_ptr, cols, C, SPLITS):
     # Split order is fixed (0, 1, ...): this is what makes the cross-split reduction deterministic, unlike atomics.
     mask = cols < C
@@ -201,30 +236,65 @@ def add_partials_(score: torch.Tensor, partials: torch.Tensor) -> None:
 
 
 @triton.jit
-def _add_partials_grouped_kernel(table_ptr, n_calls, BLOCK: tl.constexpr):
-    # _add_partials_kernel for each row of the table (first program, score address, partials address, C, splits):
-    # the same block function, so the same sums bit for bit.
+def _finish_steps_kernel(score_ptr, partial_ptr, slot_ptr, col_step_ptr, C, SPLITS, ADD_SCORES: tl.constexpr,
+                         COUNT_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if ADD_SCORES:
+        _add_partials_block(score_ptr, partial_ptr, cols, C, SPLITS)
+    if COUNT_STEPS:
+        count_selected_steps(slot_ptr, col_step_ptr, cols, cols < C)
+
+
+def finish_steps_(score: torch.Tensor, partials: torch.Tensor | None, slot: torch.Tensor,
+                  col_step: torch.Tensor | None) -> None:
+    """After a fused step whose rows were split: ``score += partials.sum(0)`` (splits in order) unless ``partials`` is
+    None, and ``col_step += 1`` on the selected columns unless ``col_step`` is None (the step's programs all read the
+    counts, so none of them may write them)."""
+    cols = score.shape[0]
+    grid = (triton.cdiv(cols, ADD_PARTIALS_BLOCK),)
+    _finish_steps_kernel[grid](score, score if partials is None else partials, slot,
+                               slot if col_step is None else col_step, cols,
+                               1 if partials is None else partials.shape[0], ADD_SCORES=partials is not None,
+                               COUNT_STEPS=col_step is not None, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
+                               enable_fp_fusion=False)
+
+
+# One row of the grouped finishing launch's table (int64): the call's first program, then the addresses of score,
+# partials, slot and col_step, C, splits, flags (bit 0: add the partials into score, bit 1: count the selected steps).
+FINISH_FIELDS = 8
+FINISH_ADD_SCORES, FINISH_COUNT_STEPS = 1, 2
+
+
+@triton.jit
+def _finish_steps_grouped_kernel(table_ptr, n_calls, BLOCK: tl.constexpr):
+    # _finish_steps_kernel for each row of the table: the same block functions, so the same sums bit for bit.
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + n_calls
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if tl.load(table_ptr + mid.to(tl.int64) * 5) <= pid:
+        if tl.load(table_ptr + mid.to(tl.int64) * 8) <= pid:
             lo = mid
         else:
             hi = mid
-    row = table_ptr + lo.to(tl.int64) * 5
+    row = table_ptr + lo.to(tl.int64) * 8
     score_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     partial_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    C = tl.load(row + 3).to(tl.int32)
-    SPLITS = tl.load(row + 4).to(tl.int32)
-    _add_partials_block(score_ptr, partial_ptr, (pid - tl.load(row).to(tl.int32)) * BLOCK + tl.arange(0, BLOCK), C,
-                        SPLITS)
+    slot_ptr = tl.load(row + 3).to(tl.pointer_type(tl.int32))
+    col_step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int32))
+    C = tl.load(row + 5).to(tl.int32)
+    SPLITS = tl.load(row + 6).to(tl.int32)
+    flags = tl.load(row + 7).to(tl.int32)
+    cols = (pid - tl.load(row).to(tl.int32)) * BLOCK + tl.arange(0, BLOCK)
+    if (flags & 1) != 0:
+        _add_partials_block(score_ptr, partial_ptr, cols, C, SPLITS)
+    if (flags & 2) != 0:
+        count_selected_steps(slot_ptr, col_step_ptr, cols, cols < C)
 
 
-def add_partials_grouped_(table: torch.Tensor, n_calls: int, programs: int) -> None:
-    """``add_partials_`` for ``n_calls`` (score, partials) pairs in one launch. ``table``: int64 ``[n_calls, 5]`` rows
-    (first program, score address, partials address, C, splits), first programs increasing, each call owning
-    ``cdiv(C, ADD_PARTIALS_BLOCK)`` programs; ``programs`` in all. Used by ``fused_steps_``."""
-    _add_partials_grouped_kernel[(programs,)](table, n_calls, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
+def finish_steps_grouped_(table: torch.Tensor, n_calls: int, programs: int) -> None:
+    """``finish_steps_`` for ``n_calls`` calls in one launch. ``table``: int64 ``[n_calls, FINISH_FIELDS]`` rows (see
+    ``FINISH_FIELDS``), first programs increasing, each call owning ``cdiv(C, ADD_PARTIALS_BLOCK)`` programs;
+    ``programs`` in all. Used by ``fused_steps_``."""
+    _finish_steps_grouped_kernel[(programs,)](table, n_calls, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
                                               enable_fp_fusion=False)

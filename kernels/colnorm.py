@@ -10,6 +10,7 @@ import torch
 
 from ._checks import check_column_sumsq_args
 from ._triton_utils import add_partials_, check_launch_device, device_guard, interpreting, plan_row_splits, tl, triton
+from ._triton_utils import column_sums as _column_sums
 from ._triton_utils import store_column_sums as _store_column_sums
 
 __all__ = ["column_sumsq_"]
@@ -47,7 +48,9 @@ def _column_sumsq_kernel(
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]  # R*C may pass 2^31
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         sq += g * g
-    _store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, tl.sum(sq, axis=0), SCORE_MODE)
+    # A fixed summation order, whatever the layout the compiler picks (column_sums says why).
+    sums = _column_sums(sq, BLOCK_R, BLOCK_C)
+    _store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, sums, SCORE_MODE)
 
 
 def column_sumsq_(

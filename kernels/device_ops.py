@@ -61,10 +61,11 @@ class DeviceOps(Protocol):
         accumulate: bool,
         update_score: bool = True,
         check_slots: bool = False,
+        count_step: bool = False,
     ) -> None:
         """One pass over ``grad [R, C]``: scores, AdamW (``hp``) on the selected columns' compact state written into
-        ``param``, ``acc`` overwritten (``accumulate=False``) or added to on the rest. Full contract:
-        ``reference.fused_step_``.
+        ``param``, ``acc`` overwritten (``accumulate=False``) or added to on the rest; ``count_step=True`` first adds
+        1 to ``col_step`` on the selected columns. Full contract: ``reference.fused_step_``.
 
         Implementations: ``reference.fused_step_`` (torch), ``numba_device_ops.fused_step_`` (numba),
         ``fused_step.fused_step_`` (triton).

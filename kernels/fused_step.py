@@ -21,11 +21,15 @@ import torch
 from ._checks import check_fused_step_args, check_slot_range
 from ._triton_utils import (
     ADD_PARTIALS_BLOCK,
+    FINISH_ADD_SCORES,
+    FINISH_COUNT_STEPS,
+    FINISH_FIELDS,
     RowSplitPlan,
-    add_partials_,
-    add_partials_grouped_,
     check_launch_device,
+    column_sums,
     device_guard,
+    finish_steps_,
+    finish_steps_grouped_,
     fp32_to_bf16_bits,
     interpreting,
     plan_row_splits,
@@ -41,9 +45,11 @@ if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run tim
 __all__ = ["fused_step_", "fused_steps_"]
 
 # Tile on CUDA. No GPU was available to measure, so this is reasoning, to be replaced by a measurement: a tile of
-# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their 64-bit offsets.
-# Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) use 140-184
-# registers per thread, no spills; without state 21-56. So 2-3 resident programs per SM, not the ~6 first assumed:
+# 8 x 128 with 4 warps is 8 elements per thread of each of grad, acc, master, m, v plus their offsets.
+# Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) used 140-184
+# registers per thread, no spills; without state 21-56. With 32-bit offsets where R*C allows (WIDE=False) the
+# per-parameter variants with state take 145-152 (from 168), the grouped ones 158-181 and 48-54 without state
+# (tests/triton_sm90_compile.py reports them per variant). So 2-3 resident programs per SM, not the ~6 first assumed:
 # ~20 registers per element in flight, and 8 x 128 with 8 warps or 4 x 128 with 4 warps (106-112 registers, half the
 # elements per thread) keep the same ~20 per element, so they put no more bytes in flight; 16 x 128 reaches 255.
 # In flight per program: 1024 elements of grad + acc (6-8 KiB) and, on selected columns, up to 12 KiB of compact
@@ -119,6 +125,16 @@ def _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_l
 
 
 @triton.jit
+def _load_steps(col_step_ptr, cols, sel, COUNT):
+    # This update's per-column step counts: col_step as stored ("already incremented"), or col_step + 1 when this
+    # call counts the step itself. Unselected lanes get step 1, not 0: keeps 1 - beta^s away from 0 (no inf/NaN on
+    # lanes that are masked anyway).
+    if COUNT:
+        return tl.load(col_step_ptr + cols, mask=sel, other=0) + 1
+    return tl.load(col_step_ptr + cols, mask=sel, other=1)
+
+
+@triton.jit
 def _fused_step_kernel(
     param_ptr, grad_ptr, score_ptr, partial_ptr, slot_ptr, col_step_ptr,
     master_ptr, exp_avg_ptr, exp_avg_sq_ptr, acc_ptr,
@@ -126,9 +142,13 @@ def _fused_step_kernel(
     lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
     decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
     SCORE_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_STATE: tl.constexpr,
-    PARAM_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    COUNT_STEPS: tl.constexpr, WIDE: tl.constexpr, PARAM_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     # Grid: (column blocks, row splits); each program streams its rows [row0, row0 + rows_per_split) in BLOCK_R tiles.
+    # COUNT_STEPS: 0 col_step is read as it is; 1 this update's counts are col_step + 1 on the selected columns, and
+    # this program (the only split) stores them; 2 the same counts, stored after the launch (finish_steps_), since
+    # every split reads them. WIDE: R*C may pass 2^31, so offsets are 64-bit (else 32-bit: half the registers).
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -141,17 +161,21 @@ def _fused_step_kernel(
         sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     if HAS_STATE:
         sel = col_mask & (slot >= 0)
-        # Unselected lanes get step 1, not 0: keeps 1 - beta^s away from 0 (no inf/NaN on lanes that are masked anyway).
-        steps = tl.load(col_step_ptr + cols, mask=sel, other=1)
+        steps = _load_steps(col_step_ptr, cols, sel, COUNT_STEPS != 0)
+        if COUNT_STEPS == 1:
+            tl.store(col_step_ptr + cols, steps, mask=sel)
         step_size, bc2_sqrt = _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C)
-        slot64 = tl.where(sel, slot, 0).to(tl.int64)
+        slot_i = tl.where(sel, slot, 0)
+        if WIDE:
+            slot_i = slot_i.to(tl.int64)
         # torch's lerp switches formula at weight 0.5 for accuracy; same switch here.
         lerp_small = lerp_w < 0.5
     for r in range(0, n_rows, BLOCK_R):
         rows = row0 + r + tl.arange(0, BLOCK_R)
         row_mask = rows < R
-        rows64 = rows.to(tl.int64)  # R*C (and R*K) may pass 2^31
-        offs = rows64[:, None] * C + cols[None, :]
+        if WIDE:
+            rows = rows.to(tl.int64)  # R*C (and R*K) pass 2^31
+        offs = rows[:, None] * C + cols[None, :]
         g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         if SCORE_MODE != 0:
             sq += g * g
@@ -164,7 +188,7 @@ def _fused_step_kernel(
         tl.store(acc_ptr + offs, a, mask=acc_mask)
         if HAS_STATE:
             st_mask = row_mask[:, None] & sel[None, :]
-            st_offs = rows64[:, None] * K + slot64[None, :]
+            st_offs = rows[:, None] * K + slot_i[None, :]
             p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
             m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
             v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
@@ -186,7 +210,9 @@ def _fused_step_kernel(
             else:
                 tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
     if SCORE_MODE != 0:
-        store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, tl.sum(sq, axis=0), SCORE_MODE)
+        # A fixed summation order, whatever the layout (column_sums says why): the grouped kernel gets the same bits.
+        store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, column_sums(sq, BLOCK_R, BLOCK_C),
+                          SCORE_MODE)
 
 
 def fused_step_(
@@ -204,6 +230,7 @@ def fused_step_(
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
+    count_step: bool = False,
     _block_r: int | None = None,
     _block_c: int | None = None,
     _rows_per_split: int | None = None,
@@ -212,8 +239,9 @@ def fused_step_(
 
     (a) if ``update_score``: ``score += colsumsq(grad)``;
     (b) selected columns (``slot >= 0``): AdamW on the compact fp32 ``master``/``exp_avg``/``exp_avg_sq [R, k]``
-        with bias correction from ``col_step`` (already incremented; read, never written); the result is written
-        into ``param`` in its own dtype (bf16 and fp16 rounded to nearest even);
+        with bias correction from ``col_step`` (already incremented, and then only read; with ``count_step=True``
+        first incremented here, on the selected columns); the result is written into ``param`` in its own dtype
+        (bf16 and fp16 rounded to nearest even);
     (c) unselected columns: ``acc = grad`` (``accumulate=False``) or ``acc += grad``. Selected columns of ``acc``
         are not written, and nothing of ``param``/compact state outside the selected columns is touched.
     Tensors are CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``), contiguous, checked like the reference.
@@ -242,6 +270,7 @@ def fused_step_(
     if update_score and plan.splits > 1:
         partials = torch.empty((plan.splits, cols), dtype=torch.float32, device=param.device)
     score_mode = 0 if not update_score else (1 if partials is None else 2)
+    count = 0 if not count_step or k == 0 else (1 if plan.splits == 1 else 2)
 
     param_bits = param.view(torch.uint16) if param.dtype == torch.bfloat16 else param
     with device_guard(param):
@@ -251,151 +280,165 @@ def fused_step_(
             rows, cols, k, plan.rows_per_split,
             *_scalars(hp),
             SCORE_MODE=score_mode, ACCUMULATE=bool(accumulate), DECOUPLED=hp.decoupled, HAS_STATE=k > 0,
-            PARAM_BF16=param.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_C=block_c,
+            COUNT_STEPS=count, WIDE=_wide(rows, cols, block_r), PARAM_BF16=param.dtype == torch.bfloat16,
+            BLOCK_R=block_r, BLOCK_C=block_c,
             # No FMA contraction: the GPU then does the same IEEE operations as the interpreter, and results do not
             # change with Triton's default (which flips in 3.10).
             num_warps=_NUM_WARPS, enable_fp_fusion=False,
         )
-        if partials is not None:
-            add_partials_(score, partials)
+        if partials is not None or count == 2:
+            finish_steps_(score, partials, slot, col_step if count == 2 else None)
 
 
 # ---------------------------------------------------------------------------------------------- many parameters
 
 # One row of the grouped launch's call table (int64), in this order (the kernel reads the fields by these positions):
-#   0 the call's first program in the launch's 1-D grid (rows in increasing order of it)
-#   1-10 the addresses of param, grad, score, partials (score's own when unused), slot, col_step, master, exp_avg,
-#        exp_avg_sq, acc
-#   11-16 R, C, k, rows per split, column blocks, flags
-#   17-29 the 13 float scalars of _scalars(hp), as fp32 bit patterns
-_FIELDS = 32  # 30 used; a power of two keeps a row on aligned 256-byte boundaries
-# Flags: bits 0-1 the score mode (0 none, 1 straight into score, 2 into the partials), bit 2 accumulate, bit 3 AdamW's
-# decoupled decay.
-_ACCUMULATE, _DECOUPLED = 4, 8
+#   0-9 the addresses of param, grad, score, partials (score's own when unused), slot, col_step, master, exp_avg,
+#       exp_avg_sq, acc
+#   10-15 R, C, k, rows per split, column blocks, flags
+# The hyperparameters are the launch's arguments, not table fields: a launch covers the calls of one (dtype, hp).
+_FIELDS = 16  # a power of two keeps a row on aligned 128-byte boundaries
+# Flags: bits 0-1 the score mode (0 none, 1 straight into score, 2 into the partials), bit 2 accumulate, bit 3 count
+# this step on the selected columns (use col_step + 1), bit 4 and store the counts here (the call has one split; with
+# more, the finishing launch stores them, since every split reads them).
+_ACCUMULATE, _COUNT, _COUNT_HERE = 4, 8, 16
 # The param dtypes as the kernel's PARAM_KIND.
 _PARAM_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# A row index or size must stay below 2^31: the kernel holds them as int32 (offsets are computed in int64).
+# A row index or size must stay below 2^31: the kernel holds them as int32 (offsets in int64 where WIDE).
 _INT32_MAX = 2**31 - 1
+# The program map (one int64 per program of the launch): the program's call in the high 32 bits, its index among that
+# call's programs in the low 32. One load per program instead of a binary search over the calls' first programs
+# (~log2(calls) dependent loads, 7 for a 1B decoder's 56 weights + 1 for the row address).
+_CALL_SHIFT = 32
+# The alignment the host checks before it tells the compiler (tl.multiple_of): 16 bytes is what a 128-bit load needs;
+# torch's caching allocators hand out 512-byte aligned blocks, so every tensor but a sliced view qualifies.
+_ALIGN = 16
 
 
-@triton.jit
-def _table_f32(row, field):
-    return tl.load(row + field).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _find_call(table_ptr, n_calls, pid, FIELDS: tl.constexpr):
-    """The call a program belongs to: binary search of the calls' first programs (column 0, increasing)."""
-    lo = pid * 0
-    hi = lo + n_calls
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(table_ptr + mid.to(tl.int64) * FIELDS) <= pid:
-            lo = mid
-        else:
-            hi = mid
-    return table_ptr + lo.to(tl.int64) * FIELDS
+def _wide(rows: int, cols: int, block_r: int) -> bool:
+    """Whether a call needs 64-bit offsets: the last tile's rows (past R, masked) times C may pass 2^31."""
+    return (rows + block_r) * cols > _INT32_MAX
 
 
 @triton.jit
 def _fused_steps_kernel(
-    table_ptr, n_calls,
-    PARAM_KIND: tl.constexpr, FIELDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    table_ptr, programs_ptr,
+    lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+    decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
+    PARAM_KIND: tl.constexpr, HAS_STATE: tl.constexpr, DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr, FIELDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # _fused_step_kernel for every call of the table, each over its own (column blocks x row splits) programs of this
-    # 1-D grid. What were constexprs there (score mode, accumulate, decoupled, whether there is compact state) are
-    # per-call values here; each branch does the same operations in the same order, so results are bit-identical.
+    # 1-D grid. What were constexprs there (score mode, accumulate, whether this call has compact state, step counting)
+    # are per-call values here; each branch does the same operations in the same order, so results are bit-identical.
+    # HAS_STATE=False (no call has compact state: warm-up, r = 0, synchronous offload) reads no state pointer, no slot
+    # and no step count. ALIGNED: the host checked that every call's tensors start on 16 bytes and C % 16 == 0, which
+    # the table's addresses cannot tell the compiler (a kernel argument's divisibility is specialized, a loaded one's
+    # is not): with it the gradient tiles load 128 bits per instruction.
     pid = tl.program_id(0)
-    row = _find_call(table_ptr, n_calls, pid, FIELDS)
+    code = tl.load(programs_ptr + pid)
+    row = table_ptr + (code >> 32) * FIELDS  # _CALL_SHIFT
+    local = (code & 0xFFFFFFFF).to(tl.int32)
     if PARAM_KIND == 1:  # bf16: written as bits (uint16), see fp32_to_bf16_bits
-        param_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint16))
-        grad_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+        param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.uint16))
+        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16))
     elif PARAM_KIND == 2:
-        param_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float16))
-        grad_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float16))
+        param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float16))
+        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float16))
     else:
-        param_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    score_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    partial_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    slot_ptr = tl.load(row + 5).to(tl.pointer_type(tl.int32))
-    col_step_ptr = tl.load(row + 6).to(tl.pointer_type(tl.int32))
-    master_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-    exp_avg_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
-    exp_avg_sq_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
-    acc_ptr = tl.load(row + 10).to(tl.pointer_type(tl.float32))
-    R = tl.load(row + 11).to(tl.int32)
-    C = tl.load(row + 12).to(tl.int32)
-    K = tl.load(row + 13).to(tl.int32)
-    rows_per_split = tl.load(row + 14).to(tl.int32)
-    col_blocks = tl.load(row + 15).to(tl.int32)
-    flags = tl.load(row + 16).to(tl.int32)
+        param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    score_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    partial_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    acc_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
+    R = tl.load(row + 10).to(tl.int32)
+    C = tl.load(row + 11).to(tl.int32)
+    rows_per_split = tl.load(row + 13).to(tl.int32)
+    col_blocks = tl.load(row + 14).to(tl.int32)
+    flags = tl.load(row + 15).to(tl.int32)
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        score_ptr = tl.multiple_of(score_ptr, 16)
+        partial_ptr = tl.multiple_of(partial_ptr, 16)
+        acc_ptr = tl.multiple_of(acc_ptr, 16)
+        C = tl.multiple_of(C, 16)
     score_mode = flags & 3
-    accumulate = (flags & 4) != 0
-    decoupled = (flags & 8) != 0
-    lr_hi = _table_f32(row, 17)
-    lr_lo = _table_f32(row, 18)
-    beta1_hi = _table_f32(row, 19)
-    beta1_lo = _table_f32(row, 20)
-    beta2_hi = _table_f32(row, 21)
-    beta2_lo = _table_f32(row, 22)
-    decay = _table_f32(row, 23)
-    weight_decay = _table_f32(row, 24)
-    lerp_w = _table_f32(row, 25)
-    lerp_w_rest = _table_f32(row, 26)
-    beta2 = _table_f32(row, 27)
-    beta2_rest = _table_f32(row, 28)
-    eps = _table_f32(row, 29)
+    accumulate = (flags & 4) != 0  # _ACCUMULATE
 
-    local = pid - tl.load(row).to(tl.int32)
     pid_c = local % col_blocks
     split = local // col_blocks
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    slot = tl.load(slot_ptr + cols, mask=col_mask, other=-1)
-    unsel = col_mask & (slot < 0)
     row0 = split * rows_per_split
     n_rows = tl.minimum(rows_per_split, R - row0)
     sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    # Without compact state (K = 0) every slot is -1, so `sel` is empty and the state code below is skipped.
-    sel = col_mask & (slot >= 0)
-    any_sel = (tl.max(sel.to(tl.int32), axis=0) > 0) & (K > 0)
-    steps = tl.load(col_step_ptr + cols, mask=sel, other=1)
-    step_size, bc2_sqrt = _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C)
-    slot64 = tl.where(sel, slot, 0).to(tl.int64)
-    lerp_small = lerp_w < 0.5
+    if HAS_STATE:
+        slot_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int32))
+        col_step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.int32))
+        master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+        exp_avg_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+        exp_avg_sq_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+        K = tl.load(row + 12).to(tl.int32)
+        if ALIGNED:
+            slot_ptr = tl.multiple_of(slot_ptr, 16)
+            col_step_ptr = tl.multiple_of(col_step_ptr, 16)
+        slot = tl.load(slot_ptr + cols, mask=col_mask, other=-1)
+        unsel = col_mask & (slot < 0)
+        # A call without compact state (K = 0) has every slot -1, so `sel` is empty and the state code is skipped.
+        sel = col_mask & (slot >= 0)
+        any_sel = (tl.max(sel.to(tl.int32), axis=0) > 0) & (K > 0)
+        step_size = tl.zeros([BLOCK_C], dtype=tl.float32)
+        bc2_sqrt = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+        if any_sel:
+            # As _load_steps: col_step (+ 1 when this call counts the step) on selected lanes, 1 elsewhere.
+            stored = tl.load(col_step_ptr + cols, mask=sel, other=0)
+            steps = tl.where(sel, stored + ((flags >> 3) & 1), 1)  # _COUNT
+            # (tl.where, not sel & scalar: the interpreter cannot mask with a tensor & scalar of bools)
+            tl.store(col_step_ptr + cols, steps, mask=tl.where((flags & 16) != 0, sel, False))  # _COUNT_HERE
+            step_size, bc2_sqrt = _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+                                                    BLOCK_C)
+        slot_i = tl.where(sel, slot, 0)
+        if WIDE:
+            slot_i = slot_i.to(tl.int64)
+        lerp_small = lerp_w < 0.5
+    else:
+        unsel = col_mask
     for r in range(0, n_rows, BLOCK_R):
         rows = row0 + r + tl.arange(0, BLOCK_R)
         row_mask = rows < R
-        rows64 = rows.to(tl.int64)
-        offs = rows64[:, None] * C + cols[None, :]
+        if WIDE:
+            rows = rows.to(tl.int64)
+        offs = rows[:, None] * C + cols[None, :]
         g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         sq += g * g
         acc_mask = row_mask[:, None] & unsel[None, :]
-        # (tl.where, not acc_mask & accumulate: the interpreter cannot mask with a tensor & scalar of bools)
         a = tl.load(acc_ptr + offs, mask=tl.where(accumulate, acc_mask, False), other=0.0) + g
         a = tl.where(accumulate, a, g)  # not 0 + g: that would turn -0.0 into +0.0
         tl.store(acc_ptr + offs, a, mask=acc_mask)
-        if any_sel:
-            st_mask = row_mask[:, None] & sel[None, :]
-            st_offs = rows64[:, None] * K + slot64[None, :]
-            p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
-            m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
-            v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
-            g = tl.where(decoupled, g, g + weight_decay * p)
-            p = tl.where(decoupled, p * decay, p)
-            m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
-            v = v * beta2 + beta2_rest * g * g
-            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
-            p = p - tl.div_rn(m * step_size[None, :], denom)
-            tl.store(master_ptr + st_offs, p, mask=st_mask)
-            tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
-            tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
-            if PARAM_KIND == 1:
-                tl.store(param_ptr + offs, fp32_to_bf16_bits(p), mask=st_mask)
-            else:
-                tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
-    sums = tl.sum(sq, axis=0)
+        if HAS_STATE:
+            if any_sel:
+                st_mask = row_mask[:, None] & sel[None, :]
+                st_offs = rows[:, None] * K + slot_i[None, :]
+                p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
+                m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
+                v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
+                if DECOUPLED:
+                    p = p * decay
+                else:
+                    g = g + weight_decay * p
+                m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
+                v = v * beta2 + beta2_rest * g * g
+                denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
+                p = p - tl.div_rn(m * step_size[None, :], denom)
+                tl.store(master_ptr + st_offs, p, mask=st_mask)
+                tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
+                tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
+                if PARAM_KIND == 1:
+                    tl.store(param_ptr + offs, fp32_to_bf16_bits(p), mask=st_mask)
+                else:
+                    tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
+    sums = column_sums(sq, BLOCK_R, BLOCK_C)
     if score_mode == 1:
         old = tl.load(score_ptr + cols, mask=col_mask, other=0.0)
         tl.store(score_ptr + cols, old + sums, mask=col_mask)
@@ -407,15 +450,6 @@ def _fused_steps_kernel(
 def _plan(rows: int, cols: int, block_r: int, block_c: int) -> RowSplitPlan:
     """The split plan of a shape (the same as fused_step_'s, which is what makes the scores bit-identical)."""
     return plan_row_splits(rows, cols, block_r=block_r, block_c=block_c)
-
-
-def _f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@functools.lru_cache(maxsize=64)
-def _scalar_bits(hp: AdamHyperparams) -> tuple[int, ...]:
-    return tuple(_f32_bits(x) for x in _scalars(hp))
 
 
 def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple[int, int, int] | None:
@@ -453,7 +487,8 @@ def fused_steps_(
     _block_c: int | None = None,
 ) -> None:
     """``fused_step_`` for every call, bit-identical to calling it for each in turn, in one launch per parameter dtype
-    (plus one more for the scores of matrices tall enough to split their rows).
+    and hyperparameter record (two where some calls' tensors are not 16-byte aligned), plus one more for the scores
+    and step counts of matrices tall enough to split their rows.
 
     Each call keeps its own split plan, tile and summation order; the launch covers all of their programs, so many
     small matrices fill the GPU together where each alone would leave SMs idle, and the per-call Python cost is
@@ -465,7 +500,7 @@ def fused_steps_(
         return
     first = calls[0].param
     device = first.device if isinstance(first, torch.Tensor) else None
-    groups: dict[torch.dtype, list[tuple[FusedStepArgs, int, int, int]]] = {}
+    groups: dict[tuple[torch.dtype, AdamHyperparams], list[tuple[FusedStepArgs, int, int, int]]] = {}
     for c in calls:
         shape = _quick_check(c, device)
         if shape is None:
@@ -478,7 +513,7 @@ def fused_steps_(
             if max(shape[:2]) > _INT32_MAX:
                 raise ValueError(f"fused_steps_: a matrix side must stay below 2^31, got shape {shape[:2]}")
         if shape[0] and shape[1]:
-            groups.setdefault(c.param.dtype, []).append((c, *shape))
+            groups.setdefault((c.param.dtype, c.hp), []).append((c, *shape))
     if not groups:
         return
     check_launch_device("param", first, _fused_steps_kernel, __name__)
@@ -486,44 +521,72 @@ def fused_steps_(
     block_r = _block_r or (_INTERP_BLOCK_R if interp else _BLOCK_R)
     block_c = _block_c or _BLOCK_C
     with device_guard(first):
-        for dtype, items in groups.items():
-            _launch_group(dtype, items, device, block_r, block_c)
+        for (dtype, hp), items in groups.items():
+            aligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
+            unaligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
+            for c, rows, cols, k in items:
+                ptrs = (c.param.data_ptr(), c.grad.data_ptr(), c.score.data_ptr(), c.slot.data_ptr(),
+                        c.col_step.data_ptr(), c.master.data_ptr(), c.exp_avg.data_ptr(), c.exp_avg_sq.data_ptr(),
+                        c.acc.data_ptr())
+                ok = cols % 16 == 0 and not any(ptr % _ALIGN for ptr in ptrs)
+                (aligned if ok else unaligned).append((c, rows, cols, k, ptrs))
+            for part, is_aligned in ((aligned, True), (unaligned, False)):
+                if part:
+                    _launch_group(dtype, hp, part, is_aligned, device, block_r, block_c)
 
 
-def _launch_group(dtype: torch.dtype, items: list[tuple[FusedStepArgs, int, int, int]], device: torch.device,
-                  block_r: int, block_c: int) -> None:
-    plans = [_plan(rows, cols, block_r, block_c) for _, rows, cols, _ in items]
+@functools.lru_cache(maxsize=32)
+def _program_map(shapes: tuple[tuple[int, int], ...], block_r: int, block_c: int,
+                 device: torch.device) -> tuple[torch.Tensor, tuple[RowSplitPlan, ...]]:
+    """The launch's program map on ``device`` (see ``_CALL_SHIFT``) and the calls' plans, for calls of these shapes in
+    this order: built and copied once per set of shapes (a training run repeats a few of them every step)."""
+    plans = tuple(_plan(rows, cols, block_r, block_c) for rows, cols in shapes)
+    codes = torch.cat([torch.arange(plan.col_blocks * plan.splits, dtype=torch.int64) + (i << _CALL_SHIFT)
+                       for i, plan in enumerate(plans)])
+    # A blocking copy (once per set of shapes): later launches may run on other streams, which must not race it.
+    return codes.to(device), plans
+
+
+def _launch_group(dtype: torch.dtype, hp: AdamHyperparams,
+                  items: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]], aligned: bool,
+                  device: torch.device, block_r: int, block_c: int) -> None:
+    programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _ in items), block_r, block_c, device)
     partial_offsets, n_partial = [], 0
-    for (c, _, cols, _), plan in zip(items, plans):
+    for (c, _, cols, _, _), plan in zip(items, plans):
         split_scores = c.update_score and plan.splits > 1
         partial_offsets.append(n_partial if split_scores else -1)
         n_partial += plan.splits * cols if split_scores else 0
     partials = torch.empty(n_partial, dtype=torch.float32, device=device) if n_partial else None
     base = partials.data_ptr() if partials is not None else 0
     table: list[int] = []
-    sums: list[int] = []  # the add-partials launch's table: first program, score, partials, C, splits
-    program = sum_program = 0
-    for (c, rows, cols, k), plan, offset in zip(items, plans, partial_offsets):
+    finish: list[int] = []  # the finishing launch's table (FINISH_FIELDS per call)
+    finish_program = 0
+    has_state = wide = False
+    for (c, rows, cols, k, ptrs), plan, offset in zip(items, plans, partial_offsets):
         mode = 0 if not c.update_score else (1 if offset < 0 else 2)
-        partial = base + 4 * offset if offset >= 0 else c.score.data_ptr()
-        flags = mode | (_ACCUMULATE if c.accumulate else 0) | (_DECOUPLED if c.hp.decoupled else 0)
-        table += (program, c.param.data_ptr(), c.grad.data_ptr(), c.score.data_ptr(), partial, c.slot.data_ptr(),
-                  c.col_step.data_ptr(), c.master.data_ptr(), c.exp_avg.data_ptr(), c.exp_avg_sq.data_ptr(),
-                  c.acc.data_ptr(), rows, cols, k, plan.rows_per_split, plan.col_blocks, flags,
-                  *_scalar_bits(c.hp), 0, 0)
-        program += plan.col_blocks * plan.splits
-        if mode == 2:
-            sums += (sum_program, c.score.data_ptr(), partial, cols, plan.splits)
-            sum_program += triton.cdiv(cols, ADD_PARTIALS_BLOCK)
-    table_dev = _to_device(table, device)
-    _fused_steps_kernel[(program,)](
-        table_dev, len(items),
-        PARAM_KIND=_PARAM_KIND[dtype], FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
-        # As fused_step_: no FMA contraction, the same warps (they fix the in-tile reduction tree of the scores).
+        param, grad, score, slot, col_step, master, exp_avg, exp_avg_sq, acc = ptrs
+        partial = base + 4 * offset if offset >= 0 else score
+        count = bool(c.count_step) and k > 0
+        flags = (mode | (_ACCUMULATE if c.accumulate else 0) | (_COUNT if count else 0)
+                 | (_COUNT_HERE if count and plan.splits == 1 else 0))
+        table += (param, grad, score, partial, slot, col_step, master, exp_avg, exp_avg_sq, acc,
+                  rows, cols, k, plan.rows_per_split, plan.col_blocks, flags)
+        has_state |= k > 0
+        wide |= _wide(rows, cols, block_r)
+        count_after = count and plan.splits > 1
+        if mode == 2 or count_after:
+            finish += (finish_program, score, partial, slot, col_step, cols, plan.splits,
+                       (FINISH_ADD_SCORES if mode == 2 else 0) | (FINISH_COUNT_STEPS if count_after else 0))
+            finish_program += triton.cdiv(cols, ADD_PARTIALS_BLOCK)
+    _fused_steps_kernel[(programs.numel(),)](
+        _to_device(table, device), programs, *_scalars(hp),
+        PARAM_KIND=_PARAM_KIND[dtype], HAS_STATE=has_state, DECOUPLED=hp.decoupled, ALIGNED=aligned, WIDE=wide,
+        FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
+        # As fused_step_: no FMA contraction, the same warps.
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
-    if sums:
-        add_partials_grouped_(_to_device(sums, device), len(sums) // 5, sum_program)
+    if finish:
+        finish_steps_grouped_(_to_device(finish, device), len(finish) // FINISH_FIELDS, finish_program)
     # `partials` is freed on return while both launches may still be queued: safe without record_stream, since it was
     # allocated on this stream and the caching allocator hands it out again only in this stream's order.
 

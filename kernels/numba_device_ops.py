@@ -362,6 +362,7 @@ def fused_step_(
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
+    count_step: bool = False,
 ) -> None:
     """Numba twin of :func:`zenflow_triton.kernels.reference.fused_step_` for CPU tensors (same arguments)."""
     rows, cols, k = check_fused_step_args(
@@ -375,6 +376,8 @@ def fused_step_(
     if rows == 0 or cols == 0:
         return
     slot_cols, slot_ids, contig = _selected(slot.numpy())
+    if count_step and k > 0:
+        col_step.numpy()[slot_cols] += 1  # the selected columns, each once (slots are distinct)
     # Per selected column, in float64 and rounded once, like the reference (and torch's scalar path).
     steps = col_step.numpy()[slot_cols].astype(np.float64)
     step_size = (hp.lr / (1.0 - hp.beta1**steps)).astype(np.float32)

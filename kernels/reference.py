@@ -8,7 +8,8 @@ Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; it
 - ``slot`` (int32 ``[C]``): -1 for an unselected column, else the column's slot in the compact state.
 - compact ``master``/``exp_avg``/``exp_avg_sq`` (fp32 ``[R, k]``): Adam state of the k selected columns.
 - ``col_step`` (int32 ``[C]``): per-column Adam step count used for bias correction, **already incremented**
-  for the update being applied. Kernels read it and never write it.
+  for the update being applied, unless the fused step is asked to count it (``count_step=True``: it adds 1 on the
+  selected columns first). No other kernel writes it.
 - ``acc`` (fp32 ``[R, C]``): sum of the unselected columns' gradients since the window began. Its
   selected columns hold no meaning (implementations may or may not write them).
 
@@ -134,12 +135,14 @@ def fused_step_(
     accumulate: bool,
     update_score: bool = True,
     check_slots: bool = False,
+    count_step: bool = False,
 ) -> None:
     """One pass over ``grad [R, C]``: scores, AdamW on selected columns, accumulate the rest.
 
     (a) if ``update_score``: ``score += colsumsq(grad)``;
     (b) selected columns (``slot >= 0``): AdamW on the compact fp32 state with this step's gradient and
-        bias correction from ``col_step``; the result is written into ``param`` in its own dtype;
+        bias correction from ``col_step`` (``count_step=True``: ``col_step += 1`` on the selected columns first, in
+        place); the result is written into ``param`` in its own dtype;
     (c) unselected columns: ``acc = grad`` (``accumulate=False``, first step of a window) or ``acc += grad``.
     ``check_slots=True`` also verifies that every slot lies in ``[-1, k)`` (costs a device sync).
     """
@@ -162,6 +165,8 @@ def fused_step_(
     cols = torch.nonzero(slot >= 0).squeeze(1)
     if cols.numel() == 0:
         return
+    if count_step:
+        col_step[cols] += 1
     slots = slot[cols].long()
     p = master.index_select(1, slots)
     m = exp_avg.index_select(1, slots)

@@ -30,9 +30,10 @@ class FusedStepArgs:
     hp: AdamHyperparams
     accumulate: bool
     update_score: bool = True
+    count_step: bool = False
 
     def apply(self, fused_step: Callable[..., None]) -> None:
         """Run this call through a per-parameter launcher (a backend's ``fused_step_``)."""
         fused_step(self.param, self.grad, score=self.score, slot=self.slot, col_step=self.col_step,
                    master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq, acc=self.acc, hp=self.hp,
-                   accumulate=self.accumulate, update_score=self.update_score)
+                   accumulate=self.accumulate, update_score=self.update_score, count_step=self.count_step)

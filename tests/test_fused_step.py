@@ -433,6 +433,10 @@ GROUP = [
     (0, 7, 0, None, torch.float32, True, True),  # empty: skipped
     (129, 33, 0, None, torch.float16, False, True),
     (700, 5, 2, None, torch.float16, True, False),  # several splits, no scores: no partials row for it
+    # C % 16 == 0: the aligned launch (128-bit loads on a GPU); the others above go through the unaligned one.
+    (48, 32, 8, None, torch.bfloat16, True, True),
+    (300, 64, 16, None, torch.float32, True, True),  # several splits: counts stored by the finishing launch
+    (33, 16, 0, None, torch.float16, True, True),
 ]
 
 
@@ -440,7 +444,7 @@ def _grouped_cases(seed: int = 0) -> list[tuple[dict, dict]]:
     out = []
     for i, (rows, cols, k, n_sel, dtype, accumulate, update_score) in enumerate(GROUP):
         case = make_case(rows, cols, k, dtype, n_selected=n_sel, seed=seed + i)
-        kw = dict(accumulate=accumulate, update_score=update_score,
+        kw = dict(accumulate=accumulate, update_score=update_score, count_step=i % 4 != 3,
                   hp=replace(HP, decoupled=i % 3 != 1, lr=HP.lr * (1 + i % 2)))
         out.append((case, kw))
     return out
@@ -467,7 +471,7 @@ def test_fused_steps_equals_fused_step_per_call(block):
         c = _args(case, kw)
         fs.fused_step_(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step, master=c.master,
                        exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc, hp=c.hp, accumulate=c.accumulate,
-                       update_score=c.update_score, **block)
+                       update_score=c.update_score, count_step=c.count_step, **block)
     fs.fused_steps_([_args(case, kw) for case, kw in grouped], **block)
     for i, ((a, _), (b, _)) in enumerate(zip(grouped, single)):
         _assert_bitwise(a, b, f"call {i} {GROUP[i]}")
@@ -508,6 +512,57 @@ def test_fused_steps_backends_agree_with_their_fused_step():
             _assert_bitwise(a, b, f"{ops.__name__} call {i}")
 
 
+def test_fused_steps_misaligned_tensor_takes_the_unaligned_launch():
+    """A contiguous view that starts 4 bytes into its storage (C % 16 == 0 otherwise): the host must not promise the
+    compiler 16-byte alignment for it; the results are those of fused_step_ all the same."""
+    calls, single = [], []
+    for i, (rows, cols, k) in enumerate(((40, 32, 8), (24, 48, 0), (9, 16, 16))):
+        case = make_case(rows, cols, k, torch.float32, seed=30 + i)
+        if i == 0:
+            buf = torch.empty(rows * cols + 1)
+            shifted = buf[1:].view(rows, cols)
+            shifted.copy_(case["grad"])
+            case["grad"] = shifted
+            assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+        kw = dict(accumulate=True, update_score=True, count_step=True, hp=HP)
+        calls.append((case, kw))
+        single.append((clone(case), kw))
+    for case, kw in single:
+        _args(case, kw).apply(fs.fused_step_)
+    fs.fused_steps_([_args(case, kw) for case, kw in calls])
+    for i, ((a, _), (b, _)) in enumerate(zip(calls, single)):
+        _assert_bitwise(a, b, f"call {i}")
+
+
+@pytest.mark.parametrize("splits", [None, 8], ids=["one_split", "splits"])
+@pytest.mark.parametrize("kmode", KMODES)
+def test_count_step_is_the_increment_then_the_step(kmode, splits):
+    """count_step=True: col_step += 1 on the selected columns, then the step; bit for bit what the step does with the
+    counts incremented beforehand (how the optimizer called it before the count was folded in), in every backend,
+    with one row split (counts stored by the kernel) and several (stored after it)."""
+    from zenflow_triton.kernels import numba_device_ops
+
+    rows, cols = 40, 24
+    case = make_case(rows, cols, _k_for(kmode, cols), torch.bfloat16, seed=41)
+    sel = case["slot"] >= 0
+    expected_steps = case["col_step"] + sel.to(torch.int32)
+    block = {} if splits is None else dict(_block_r=8, _rows_per_split=splits)
+    for name, fn, kw in (("triton", fs.fused_step_, block), ("numba", numba_device_ops.fused_step_, {}),
+                         ("torch", reference.fused_step_, {})):
+        counted, pre = clone(case), clone(case)
+        pre["col_step"] += sel.to(torch.int32)
+        run(fn, counted, count_step=True, **kw)
+        run(fn, pre, **kw)
+        assert torch.equal(counted["col_step"], expected_steps), name
+        _assert_bitwise(counted, pre, name)
+        if name == "torch":
+            oracle = counted
+    triton_out = clone(case)
+    run(fs.fused_step_, triton_out, count_step=True, **block)
+    assert torch.equal(triton_out["col_step"], oracle["col_step"])
+    torch.testing.assert_close(triton_out["master"], oracle["master"], atol=STATE_TOL[1], rtol=STATE_TOL[2])
+
+
 def test_fused_steps_checks_every_call_like_fused_step():
     case, kw = _grouped_cases()[0]
     good = _args(case, kw)
@@ -526,15 +581,16 @@ def test_fused_steps_checks_every_call_like_fused_step():
 
 @pytest.mark.gpu
 def test_cuda_fused_steps_equals_fused_step_per_call():
-    """Compiled: the grouped kernel against the per-parameter one, bit for bit, scores included. (Elementwise results
-    cannot differ; the scores could only if the two kernels' tiles got different register layouts, whose in-tile
-    reduction trees differ: this is the check that they do not.)"""
+    """Compiled: the grouped kernel against the per-parameter one, bit for bit, scores and step counts included. (The
+    scores were at risk: the two kernels' tiles got different register layouts, and tl.sum's in-tile reduction tree
+    follows the layout; column_sums fixes the order by construction. 30011 columns: the unaligned launch.)"""
     shapes = [(4096, 4096, 410), (11008, 1024, 103), (257, 30011, 3001), (2048, 2048, 0), (8192, 512, 52)]
     for dtype in DTYPES:
         grouped = []
         for i, (rows, cols, k) in enumerate(shapes):
             case = {n: t.cuda() for n, t in make_case(rows, cols, k, dtype, seed=i).items()}
-            grouped.append((case, dict(accumulate=i % 2 == 0, update_score=i != 3, hp=replace(HP, decoupled=i != 2))))
+            grouped.append((case, dict(accumulate=i % 2 == 0, update_score=i != 3, count_step=i != 1,
+                                       hp=replace(HP, decoupled=i != 2))))
         single = [(clone(case), kw) for case, kw in grouped]
         for case, kw in single:
             c = _args(case, kw)

@@ -159,3 +159,86 @@ def test_failed_registration_falls_back_to_pageable_memory_with_one_warning(monk
 def test_loaded_cudart_paths_parse_proc_maps() -> None:
     # No GPU here, so usually no CUDA runtime mapped; the parser must not fail either way.
     assert all("libcudart.so" in path for path in host_memory._loaded_cudarts())
+
+
+# ---------------------------------------------------------------------------------------- refusals, messages
+
+
+class _NoDontFork(mmap.mmap):
+    """Pages whose madvise is refused, as a sandboxed kernel may refuse MADV_DONTFORK."""
+
+    def madvise(self, *args) -> None:
+        raise OSError(22, "Invalid argument")
+
+
+def test_refused_dontfork_leaves_the_slab_pinned_with_one_warning(monkeypatch, caplog) -> None:
+    if not hasattr(mmap, "MADV_DONTFORK"):
+        pytest.skip("no MADV_DONTFORK on this platform: nothing to refuse")
+    cuda = FakeCuda(monkeypatch)
+    monkeypatch.setattr(host_memory, "_warned_fork", False)
+    monkeypatch.setattr(host_memory, "_map_pages", lambda n: _NoDontFork(-1, n, flags=mmap.MAP_PRIVATE))
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        slabs = [HostSlab([((256,), torch.float32)], pin=True, device=0) for _ in range(2)]
+    assert all(s.pinned for s in slabs) and len(cuda.registered) == 2
+    warnings = [r.getMessage() for r in caplog.records if "MADV_DONTFORK" in r.getMessage()]
+    assert len(warnings) == 1 and "Invalid argument" in warnings[0]
+    slabs[0].views[0].fill_(4.0)
+    assert float(slabs[0].views[0].sum()) == 1024.0
+
+
+class _EnumOnlyCudart:
+    """torch.cuda.cudart() as its binding behaves: cudaGetErrorString takes a cudaError, and raises given an int."""
+
+    class cudaError(int):  # noqa: N801 - the binding's name
+        pass
+
+    @classmethod
+    def cudaGetErrorString(cls, err) -> str:  # noqa: N802
+        if not isinstance(err, cls.cudaError):
+            raise TypeError("cudaGetErrorString(): incompatible function arguments")
+        return {2: "out of memory", 712: "part or all of the requested memory range is already mapped"}[int(err)]
+
+
+def test_error_string_passes_the_cuda_error_enum(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _EnumOnlyCudart)
+    assert host_memory._error_string(2) == "out of memory"
+    assert host_memory._error_string(712).startswith("part or all")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    assert host_memory._error_string(2) == "unknown error"  # the message never makes the fallback fail
+
+
+def test_training_is_unchanged_when_pinning_fails(monkeypatch, caplog) -> None:
+    """A failed cudaHostRegister, injected on CPU: the optimizer's slabs stay pageable, one warning, and training gives
+    bit for bit the results of a run whose slabs were never meant to be pinned."""
+    from torch import nn
+
+    from zenflow_triton import ZenFlowAdamW
+    from zenflow_triton import state as state_mod
+
+    def train() -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 16))
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, select_interval=2,
+                           min_offload_numel=256)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(7):
+            x = torch.randn(8, 24, generator=gen)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        opt.flush()
+        stats = opt.stats()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], stats
+
+    expected, plain_stats = train()
+    cuda = FakeCuda(monkeypatch, error=2)
+    real_slab = state_mod.HostSlab
+    monkeypatch.setattr(state_mod, "HostSlab", lambda requests, pin: real_slab(requests, pin=True, device=0))
+    with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+        got, stats = train()
+    assert cuda.registered and cuda.unregistered == []  # the optimizer asked for pinned slabs, and none was pinned
+    assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1
+    assert stats["pinned_bytes"] == plain_stats["pinned_bytes"] == 0
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

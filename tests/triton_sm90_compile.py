@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from dataclasses import fields, replace
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET: the interpreter cannot compile"
 
@@ -71,20 +75,57 @@ class Recorder:
                 return
             ptx = ck.asm.get("ptx", "")
             compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b"")),
-                             "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
-                             # Vector loads of 4 x 32 bits: whether the compiler could prove the alignment it needs.
-                             "ld_v4": ptx.count("ld.global.v4"), "ld": ptx.count("ld.global")})
+                             **ptxas_resources(ptx), **memory_ops(ptx)})
 
         return launch
 
 
+def memory_ops(ptx: str) -> dict[str, int]:
+    """Global loads and stores in the PTX by width: ``.v4`` (4 x 32 bits, 16 bytes: the compiler proved the alignment
+    and contiguity it needs), ``.v2``, and scalar ones (a 32-bit element or less per instruction, or a table read)."""
+    out = {}
+    for op in ("ld", "st"):
+        v4, v2 = len(re.findall(rf"\b{op}\.global(?:\.\w+)*\.v4\.", ptx)), len(
+            re.findall(rf"\b{op}\.global(?:\.\w+)*\.v2\.", ptx))
+        total = len(re.findall(rf"\b{op}\.global\.", ptx))
+        out.update({f"{op}_v4": v4, f"{op}_v2": v2, f"{op}_scalar": total - v4 - v2})
+    return out
+
+
+def ptxas_resources(ptx: str) -> dict[str, int | None]:
+    """Registers per thread and spill bytes as ptxas reports them (``ptxas -v``, triton's bundled ptxas; the compiled
+    object's own figures need a driver). None where ptxas or its report is not found."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            ptxas = get_ptxas(TARGET.arch).path
+        except TypeError:  # older triton: no arch argument
+            ptxas = get_ptxas().path
+        arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "k.ptx"
+            src.write_text(ptx)
+            proc = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.o")],
+                                  capture_output=True, text=True, timeout=300)
+        report = proc.stdout + proc.stderr
+        regs = re.search(r"Used (\d+) registers", report)
+        spill_st = re.search(r"(\d+) bytes spill stores", report)
+        spill_ld = re.search(r"(\d+) bytes spill loads", report)
+    except Exception:  # noqa: BLE001 - the figures are a report, the compile result stands without them
+        return {"n_regs": None, "spill_bytes": None}
+    return {"n_regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill_st.group(1)) + int(spill_ld.group(1)) if spill_st and spill_ld else None}
+
+
 fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
 fused_step._fused_steps_kernel = Recorder("fused_steps", fused_step._fused_steps_kernel)
-_triton_utils._add_partials_grouped_kernel = Recorder("add_partials_grouped",
-                                                      _triton_utils._add_partials_grouped_kernel)
+_triton_utils._finish_steps_grouped_kernel = Recorder("finish_steps_grouped",
+                                                      _triton_utils._finish_steps_grouped_kernel)
 colnorm._column_sumsq_kernel = Recorder("column_sumsq", colnorm._column_sumsq_kernel)
 merge._merge_kernel = Recorder("merge", merge._merge_kernel)
 _triton_utils._add_partials_kernel = Recorder("add_partials", _triton_utils._add_partials_kernel)
+_triton_utils._finish_steps_kernel = Recorder("finish_steps", _triton_utils._finish_steps_kernel)
 for module in (fused_step, colnorm, merge):
     module.check_launch_device = lambda *a, **k: None  # CPU stand-ins for CUDA tensors: nothing is launched
 
@@ -115,12 +156,14 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     slot[:40] = torch.arange(40, dtype=torch.int32)
     merge.merge_(torch.zeros(256, 384, dtype=dtype), torch.zeros(256, 384, dtype=dtype), slot)
 fused(8192, 512, 52, torch.bfloat16, accumulate=True, decoupled=False)
+# The optimizer's steps count themselves (count_step): stored by the one split, and after a multi-split launch.
+fused(64, 4096, 400, torch.bfloat16, accumulate=True, count_step=True)
+fused(8192, 512, 52, torch.bfloat16, accumulate=True, count_step=True)
 
 
-def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0))) -> None:
-    """One grouped launch per dtype (its variants depend on the dtype, and on the number of calls only through
-    Triton's integer specialization: 1, or a multiple of 16): a call with compact state and one without, one tall
-    enough for the partial-sum launch."""
+def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0)), count_step: bool = True) -> None:
+    """One grouped launch per dtype, state (any call with k > 0 or none), alignment (C % 16 and 16-byte tensors) and
+    width of offsets: a call with compact state and one without, one tall enough for the finishing launch."""
     from zenflow_triton.kernels.device_ops import FusedStepArgs
 
     calls = []
@@ -131,13 +174,20 @@ def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0))) -> None
         calls.append(FusedStepArgs(
             param=z(rows, cols, dtype=dtype), grad=z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
             col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k),
-            exp_avg_sq=z(rows, k), acc=z(rows, cols), hp=HP, accumulate=True))
+            exp_avg_sq=z(rows, k), acc=z(rows, cols), hp=HP, accumulate=True, count_step=count_step))
     fused_step.fused_steps_(calls)
 
 
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     grouped(dtype)
-grouped(torch.bfloat16, shapes=((4096, 256, 26),))  # one call: n_calls specialized to the constant 1
-grouped(torch.bfloat16, shapes=((64, 128, 13),) * 16)  # sixteen: n_calls specialized as a multiple of 16
+for dtype in (torch.float32, torch.bfloat16):
+    grouped(dtype, shapes=((256, 384, 0), (4096, 256, 0)))  # nothing selected: the variant without state
+grouped(torch.bfloat16, shapes=((256, 100, 10), (96, 200, 0)))  # C % 16 != 0: not ALIGNED
+# 64-bit offsets (R*C past 2^31), compiled on small tensors: nothing runs, only the variant matters.
+_narrow = fused_step._wide
+fused_step._wide = lambda rows, cols, block_r: True
+fused(256, 384, 40, torch.bfloat16, accumulate=True, count_step=True)
+grouped(torch.bfloat16)
+fused_step._wide = _narrow
 
 print(json.dumps({"triton": triton.__version__, "compiled": compiled, "errors": errors}))

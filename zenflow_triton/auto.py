@@ -23,7 +23,7 @@ import torch
 from .config import ZenFlowConfig
 from .worker import host_thread_limit, host_thread_share
 
-__all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce"]
+__all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce", "default_cpu_threads"]
 
 logger = logging.getLogger("zenflow_triton")
 # The logger of the one line "auto" writes about its choice: a child of the library's, so an application can route
@@ -68,6 +68,14 @@ def announce(message: str, log: logging.Logger = choice_logger) -> None:
     handler.handle(record)
 
 
+def default_cpu_threads(device: torch.device | None) -> int:
+    """``cpu_threads`` when the user sets none: this process's share of the cores but one, left to the training
+    thread; on CUDA but two, since autograd's device thread launches the backward's kernels next to it and a host
+    AdamW thread on its core would delay every launch (the GPU then idles for the host)."""
+    reserved = 2 if device is not None and device.type == "cuda" else 1
+    return max(1, host_thread_share() - reserved)
+
+
 class Knobs:
     """``topk_ratio``, ``update_interval``, ``select_interval`` and ``cpu_threads`` as the optimizer uses them.
 
@@ -75,7 +83,7 @@ class Knobs:
     ``plan`` the autotuner's :class:`~zenflow_triton.autotune.Plan` once made (None for fixed knobs).
     """
 
-    def __init__(self, config: ZenFlowConfig) -> None:
+    def __init__(self, config: ZenFlowConfig, *, device: torch.device | None = None) -> None:
         limit = host_thread_limit()
         if config.cpu_threads is not None and config.cpu_threads > limit:
             raise ValueError(f"Invalid cpu_threads: {config.cpu_threads} (this process can run at most {limit} numba "
@@ -86,7 +94,7 @@ class Knobs:
         self.resolved = config.replace(
             topk_ratio=r if r == "auto" else float(r),
             select_interval=config.resolved_select_interval() if config.update_interval != "auto" else None,
-            cpu_threads=config.cpu_threads or max(1, host_thread_share() - 1),
+            cpu_threads=config.cpu_threads or default_cpu_threads(device),
         )
         self.plan: Any = None
         self.step_time_samples: list[float] = []

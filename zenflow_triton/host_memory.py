@@ -10,7 +10,10 @@ pinned for DMA cannot be shared copy-on-write, so without the mark the kernel co
 child at fork time: gigabytes per worker, for memory no worker ever reads.
 
 If ``cudaHostRegister`` fails (typically the locked-memory limit, ``ulimit -l``), the slab stays in pageable memory:
-everything works, host<->device copies are slower and synchronous; one warning says so.
+everything works, host<->device copies are slower and synchronous; one warning says so. Correct by CUDA's rules for
+pageable memory, with the same ``non_blocking=True`` copies the pipeline issues for pinned slabs: a copy into
+pageable host memory returns only once it has completed (so after the stream work it waits on), and a copy from it
+returns once the source has been staged (so the host may overwrite it right away).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ _REGISTER_PORTABLE = 1
 
 # Whether this process already warned that pinning failed (one warning per process, not one per slab).
 _warned_unpinned = False
+# The same for a refused MADV_DONTFORK.
+_warned_fork = False
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -133,8 +138,11 @@ def _unregister_pages(ptr: int, device: int) -> None:
 
 
 def _error_string(err: int) -> str:
+    """CUDA's message for error code ``err``. The binding takes the ``cudaError`` enum, not an int (given an int it
+    raises), as ``torch.cuda.check_error`` calls it."""
     try:
-        return str(torch.cuda.cudart().cudaGetErrorString(err))
+        rt = torch.cuda.cudart()
+        return str(rt.cudaGetErrorString(rt.cudaError(err)))
     except Exception:  # noqa: BLE001 - only for the message
         return "unknown error"
 
@@ -192,7 +200,19 @@ def _pin(owner: np.ndarray, ptr: int, nbytes: int, device: int) -> bool:
 
 def _dont_fork(pages: mmap.mmap) -> None:
     """MADV_DONTFORK (Linux): forked children do not get these pages, so the kernel never copies them eagerly
-    (pinned pages cannot be shared copy-on-write). Elsewhere a no-op."""
+    (pinned pages cannot be shared copy-on-write). Elsewhere a no-op. A kernel that refuses it (a sandbox such as
+    gVisor may answer EINVAL) leaves the slab pinned and correct: only a fork then costs a copy of it; one warning."""
+    global _warned_fork
     advice = getattr(mmap, "MADV_DONTFORK", None)
-    if advice is not None and hasattr(pages, "madvise"):
+    if advice is None or not hasattr(pages, "madvise"):
+        return
+    try:
         pages.madvise(advice)
+    except OSError as exc:
+        if not _warned_fork:
+            _warned_fork = True
+            logger.warning(
+                "zenflow_triton: madvise(MADV_DONTFORK) on the optimizer's pinned host buffers failed (%s); they stay "
+                "pinned and correct, but a forked process (a DataLoader worker) gets its own copy of them at fork "
+                "time. Use DataLoader(multiprocessing_context='spawn') or fewer workers if host memory runs short.",
+                exc)

@@ -53,8 +53,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         warmup_steps: steps of synchronous AdamW on every element before selection starts.
         overlap: apply each window's host result one window late instead of waiting for it.
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
-        cpu_threads: numba threads of the host worker (None: all cores but one, and every core for a window that
-            step() waits for anyway: warm-up steps and ``overlap=False``).
+        cpu_threads: numba threads of the host worker (None: all cores but one, but two with CUDA parameters, and
+            every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
@@ -96,11 +96,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
         )
         self._device: torch.device | None = None
-        self._knobs = Knobs(self.config)
         self._stats = Stats()
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
         super().__init__(params, defaults)
+        self._knobs = Knobs(self.config, device=self._device)  # after the params: cpu_threads' default is per device
         if self._device is not None:
             # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
             load_device_ops(self.config.backend, self._device)
@@ -403,13 +403,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     ops.column_sumsq_(score_of(p), g2)
                 windows[p] = Window(p, hp, grad=g2.detach())
                 continue
-            if tau >= 1 and rec.masks.num_unselected < rec.cols:
-                st["col_step"].add_(rec.masks.selected)
-            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns, the rest summed into acc.
+            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
+            # in the same pass), the rest summed into acc.
             calls.append(FusedStepArgs(
                 param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
                 exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=st["acc"], hp=hp,
                 accumulate=st["acc_count"] > 0, update_score=update_score,
+                count_step=tau >= 1 and rec.masks.num_unselected < rec.cols,
             ))
             st["acc_count"] += 1
         if calls:
