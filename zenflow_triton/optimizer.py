@@ -30,11 +30,13 @@ from .config import ZenFlowConfig
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
 from .params import (
     META_HINT,
+    check_betas_pair,
     check_grad,
     check_group,
     check_param,
     check_unchanged,
     describe,
+    hyperparams,
     offloads,
     warn_kept_resident,
 )
@@ -101,7 +103,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_timeout: float = 600.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
+        hyperparams(defaults, decoupled=self._decoupled)
+        check_betas_pair(betas)
         self.config = ZenFlowConfig(
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
@@ -315,7 +318,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 return known[p][0]
             if not groups:
                 groups.update({q: g for g in self.param_groups for q in g["params"]})
-            return AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)
+            return hyperparams(groups[p], decoupled=self._decoupled)
 
         return hp_of
 

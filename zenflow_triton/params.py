@@ -13,8 +13,8 @@ from .columns import is_offloaded
 from .kernels import MODEL_DTYPES, AdamHyperparams
 from .sharding import check_placement, local
 
-__all__ = ["META_HINT", "check_grad", "check_group", "check_param", "check_unchanged", "describe", "offloads",
-           "warn_kept_resident"]
+__all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_param", "check_unchanged", "describe",
+           "hyperparams", "offloads", "warn_kept_resident"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -26,6 +26,44 @@ _REFUSED_OPTIONS = {
     "capturable": (False, "capturable=True is not supported (the host half of a step cannot be graph-captured)"),
     "differentiable": (False, "differentiable=True is not supported"),
 }
+
+
+def _plain(x: Any) -> Any:
+    """A numpy scalar (``np.float32(0.01)``, an element of a numpy array) as the Python number it holds, as
+    torch.optim.AdamW computes with it; anything else as it is."""
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+        return x.item()
+    return x
+
+
+def _beta(b: Any, i: int) -> Any:
+    if isinstance(b, torch.Tensor):
+        if b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        return b.item()  # as a tensor lr: its value now (read once per group and step)
+    return _plain(b)
+
+
+def hyperparams(group: Mapping[str, Any], *, decoupled: bool) -> AdamHyperparams:
+    """The group's :class:`AdamHyperparams`, reading what torch.optim.AdamW computes with: numpy scalars, ``betas``
+    as a numpy array, 1-element tensor betas (and lr, :meth:`AdamHyperparams.from_group`). The group keeps them as
+    given, as torch's does."""
+    betas = group["betas"]
+    if type(betas).__module__ == "numpy" and getattr(betas, "shape", None) == (2,):
+        betas = tuple(betas)
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        betas = (_beta(betas[0], 0), _beta(betas[1], 1))
+    plain = {"lr": _plain(group["lr"]), "betas": betas, "eps": _plain(group["eps"]),
+             "weight_decay": _plain(group["weight_decay"])}
+    return AdamHyperparams.from_group(plain, decoupled=decoupled)
+
+
+def check_betas_pair(betas: Any) -> None:
+    """torch.optim.AdamW's constructor check: both betas floats or both tensors (numpy float64 is a float)."""
+    pair = tuple(betas) if isinstance(betas, (tuple, list)) or type(betas).__module__ == "numpy" else ()
+    if len(pair) == 2 and not (all(isinstance(b, float) for b in pair) or all(isinstance(b, torch.Tensor)
+                                                                             for b in pair)):
+        raise ValueError("betas must be either both floats or both Tensors")
 
 
 def check_group(group: Mapping[str, Any], *, decoupled: bool, where: str = "param group") -> AdamHyperparams:
@@ -40,7 +78,7 @@ def check_group(group: Mapping[str, Any], *, decoupled: bool, where: str = "para
         other = "ZenFlowAdamW (AdamW's decoupled decay)" if value else "ZenFlowAdam (Adam's L2 decay)"
         raise ValueError(f"Invalid decoupled_weight_decay: {value!r} in {where}: this optimizer's weight decay is "
                          f"{'decoupled' if decoupled else 'L2'}; use {other}")
-    return AdamHyperparams.from_group(group, decoupled=decoupled)
+    return hyperparams(group, decoupled=decoupled)
 
 
 def check_param(p: Any, i: int, device: torch.device | None) -> torch.device:
