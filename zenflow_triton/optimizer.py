@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
-from .auto import AUTO_WARMUP_STEPS, Knobs
+from . import checkpoint, retune
+from .auto import AUTO_WARMUP_STEPS, Knobs, announce
 from .columns import reselect_many_
 from .config import ZenFlowConfig
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
@@ -227,7 +227,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         for sg in state_dict["param_groups"]]
         # Nothing below raises or allocates.
         if zenflow is not None:
+            knobs_before = self._knobs.state_dict()
             self._knobs.load_state_dict(zenflow)
+            changed = retune.describe_changes(knobs_before, self._knobs.state_dict())
+            if changed:
+                # The checkpoint's knobs win (as a torch state_dict's group values do): say so, once.
+                announce(f"load_state_dict: the checkpoint's knobs replace this optimizer's: {changed}; "
+                         "opt.set_knobs(...) after the load changes them", logger)
             self._schedule.step = checkpoint.schedule_step(zenflow, plan)
         else:
             # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
@@ -240,6 +246,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline.commit_load(loaded, self.state)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def set_knobs(self, *, topk_ratio: float | None = None, update_interval: int | None = None,
+                  select_interval: int | None = None) -> None:
+        """Change ``topk_ratio``, ``update_interval`` or ``select_interval`` of a running optimizer, typically a
+        resumed one (a checkpoint's knobs win over the constructor's at ``load_state_dict()``). A new
+        ``update_interval`` or ``select_interval`` starts a fresh window: the open one ends now, as at ``flush()``,
+        and the next window ends at the schedule's next multiple of U; a new ``topk_ratio`` takes effect at the next
+        selection step (the current selection stands until then). Without ``select_interval``, S follows a new U
+        where it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` carries the
+        new values. Validated as in the constructor; nothing changes when it raises."""
+        self._pipeline.check_usable()
+        if not self._knobs.ready:
+            raise RuntimeError("set_knobs: the 'auto' knobs are not chosen yet (they are at the first step after "
+                               "warm-up); call it after that, or build the optimizer with fixed knobs")
+        resolved = self._knobs.resolved
+        new = retune.retuned(resolved, topk_ratio=topk_ratio, update_interval=update_interval,
+                             select_interval=select_interval)
+        before = self._knobs.state_dict()
+        if (new.update_interval, new.select_interval) != (resolved.update_interval, resolved.select_interval):
+            self.flush()  # the windows restart: none may hold gradients of the old schedule (DESIGN §3 step 2)
+        self._knobs.resolved = new
+        changed = retune.describe_changes(before, self._knobs.state_dict())
+        if changed:
+            logger.info("zenflow_triton: set_knobs: %s", changed)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
