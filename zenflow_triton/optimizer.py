@@ -330,8 +330,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """Telemetry since construction (DESIGN §7); time in seconds, sizes in bytes."""
-        return {**self._pipeline.report(), **self._knobs.state_dict(), **self._knobs.report(self._stats)}
+        """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
+        sizes in bytes."""
+        s = self._stats
+        # Per-step views: the mean time a step() call took (all of it: device work or its launches, and the wait
+        # for the host) and the part of it that was waiting.
+        per_step = {"ms_per_step": 1e3 * (s.device_opt_s + s.stall_s) / s.steps if s.steps else 0.0,
+                    "stall_ms_per_step": 1e3 * s.stall_s / s.steps if s.steps else 0.0}
+        return {**self._pipeline.report(), **per_step, **self._knobs.state_dict(), **self._knobs.report(s)}
 
     # ------------------------------------------------------------------ the step
 
