@@ -305,14 +305,14 @@ def test_meta_construction_follows_the_parameters_to_their_device(swap_params_on
     reference = Net()
     with torch.device("meta"):
         model = Net()
-    opt = ZenFlowAdamW(model.parameters(), **KNOBS)
+    opt = ZenFlowAdamW(model.parameters(), **KNOBS, backend="numba")  # a CPU backend, checked at the first step
     params = list(model.parameters())
     model.to_empty(device="cpu")
     assert all(a is b for a, b in zip(params, model.parameters()))
     model.load_state_dict(reference.state_dict())
     extra, ref_extra = nn.Parameter(extra_init.clone()), nn.Parameter(extra_init.clone())
     opt.add_param_group({"params": [extra], "lr": 1e-2})
-    ref_opt = ZenFlowAdamW(reference.parameters(), **KNOBS)
+    ref_opt = ZenFlowAdamW(reference.parameters(), **KNOBS, backend="numba")
     ref_opt.add_param_group({"params": [ref_extra], "lr": 1e-2})
     for m, o, e in ((model, opt, extra), (reference, ref_opt, ref_extra)):
         for i in range(6):

@@ -116,8 +116,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
         super().__init__(params, defaults)
-        if self._device is not None:
-            # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
+        if self._device is not None and self._device.type != "meta":
+            # Fail here, not at the first step(), when the backend cannot run on the parameters' device (meta
+            # parameters are checked at the first step, on the device they were materialized on).
             load_device_ops(self.config.backend, self._device)
 
     # ------------------------------------------------------------------ torch.optim surface
@@ -255,7 +256,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         and the next window ends at the schedule's next multiple of U; a new ``topk_ratio`` takes effect at the next
         selection step (the current selection stands until then). Without ``select_interval``, S follows a new U
         where it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` carries the
-        new values. Validated as in the constructor; nothing changes when it raises."""
+        new values and ``stats()`` shows them (``opt.config`` stays the constructor's). Validated as in the
+        constructor; nothing changes when it raises."""
         self._pipeline.check_usable()
         if not self._knobs.ready:
             raise RuntimeError("set_knobs: the 'auto' knobs are not chosen yet (they are at the first step after "
@@ -368,6 +370,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
         fresh: list[torch.Tensor] = []
         fresh_resident: list[torch.Tensor] = []
+        seen: set[int] = set()  # ids of the fresh ones (a parameter may be listed twice)
         device = None
         for group in self.param_groups:
             hp = check_group(group, decoupled=self._decoupled)  # a group may have been edited since it was added
@@ -387,14 +390,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 elif p.device != device:
                     raise ValueError(f"{describe(p, self.param_groups)} is on {p.device} but other parameters are on "
                                      f"{device}; use one ZenFlowAdamW per device")
-                new = (p not in self.state or not self.state[p])
+                new = (p not in self.state or not self.state[p]) and id(p) not in seen
+                if new:
+                    seen.add(id(p))
                 if offloads:
                     offloaded.append((hp, p))
-                    if new and all(q is not p for q in fresh):
+                    if new:
                         fresh.append(p)
                 else:
                     resident[-1][1].append(p)
-                    if new and all(q is not p for q in fresh_resident):
+                    if new:
                         fresh_resident.append(p)
         if device is not None:
             self._device = device  # the parameters' device now (built over meta parameters, then materialized)

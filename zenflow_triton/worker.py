@@ -171,4 +171,4 @@ class HostWorker:
                 logger.warning("zenflow_triton: the host worker thread %s; it is left to end on its own (a daemon "
                                "thread: nothing it computes is applied, and it does not keep the process alive)",
                                "is hung in a job that overran worker_timeout" if hung
-                               else f"did not stop within worker_timeout={timeout:g} s")
+                               else f"did not stop within {timeout:g} s")
