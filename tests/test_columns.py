@@ -143,3 +143,27 @@ def test_reselect_many_on_cuda_equals_reselect_per_parameter() -> None:
         assert_identical({k: v.cpu() for k, v in st.items()}, {k: v.cpu() for k, v in st2.items()}, f"param {i}")
         assert_identical({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(masks).items()},
                          {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(masks2).items()})
+
+
+# ------------------------------------------------------------------ issue 20: k = ceil(r*C) at the extremes
+
+
+@pytest.mark.parametrize(("ratio", "cols", "k"), [
+    (1e-9, 100, 1), (1e-9, 1, 1), (1e-7, 4096, 1), (1e-12, 10**6, 1), (0.0, 100, 0), (1.0, 7, 7),
+    (0.1, 30, 3), (0.3, 10, 3), (0.7, 10, 7), (0.1, 1000, 100), (0.29, 100, 29), (0.57, 100, 57),
+    (1 / 3, 9, 3), (0.1, 31, 4), (0.2, 11, 3), (0.5, 3, 2), (0.999999, 10, 10), (1e-3, 1001, 2),
+])
+def test_topk_is_the_ceiling_of_r_times_c_and_exact_for_integers(ratio: float, cols: int, k: int) -> None:
+    """README: k = ceil(r*C), at least 1 for r > 0; r*C that is an integer up to float error (0.1 * 30 is
+    3.0000000000000004 in binary) gives that integer, not one more."""
+    from zenflow_triton.config import ZenFlowConfig
+
+    assert ZenFlowConfig(topk_ratio=ratio).topk(cols) == k
+
+
+def test_topk_never_rounds_a_real_excess_away() -> None:
+    from zenflow_triton.config import ZenFlowConfig
+
+    # r*C a hair above an integer by much more than float error must round up (round(., 6) took it down).
+    assert ZenFlowConfig(topk_ratio=3.0000001 / 1000).topk(1000) == 4
+    assert ZenFlowConfig(topk_ratio=0.1 + 1e-9).topk(30) == 4

@@ -24,6 +24,15 @@ JOB_DELAY_S = 0.4
 
 
 @pytest.fixture
+def default_sigint():
+    """The default SIGINT handler for the test, restored after: a shell starts a background job (``pytest > log &``)
+    with SIGINT ignored, and then ``_thread.interrupt_main`` raises nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def slow_host_jobs(monkeypatch):
     """Host jobs that take JOB_DELAY_S longer (or what the test sets in the returned dict), so that step() at a
     window end waits for them."""
@@ -72,7 +81,7 @@ def _interrupt_soon(times: int = 1, signum: int = signal.SIGINT) -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exactly(slow_host_jobs,
+def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exactly(default_sigint, slow_host_jobs,
                                                                                      overlap: bool) -> None:
     straight = _straight(overlap)
     model = Net()
@@ -143,7 +152,7 @@ def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_job
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(slow_host_jobs) -> None:
+def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(default_sigint, slow_host_jobs) -> None:
     # Both interrupts must land in the wait (the second one propagates at once; were the first one raised by a
     # finished step before the second arrived, the second would land outside this test's handler): long jobs.
     slow_host_jobs["s"] = 2.5

@@ -858,3 +858,72 @@ def test_no_warnings_in_ordinary_use() -> None:
             sched.step()
         opt.state_dict()
         opt.flush()
+
+
+# -------------------------------------------------------------------- issue 20: the contract at its edges
+
+
+@pytest.mark.parametrize("with_post_hook", [False, True], ids=["pre", "pre+post"])
+def test_state_dict_pre_hook_adding_a_non_parameter_key_like_adamw(with_post_hook: bool) -> None:
+    """torch's TestOptimRenewed: a pre hook sets ``optimizer.state["test"] = 1``; torch packs and loads such a key as
+    it is (and a post hook may pop it again)."""
+    results = []
+    for opt in _trained_pair()[0]:
+        opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+        if with_post_hook:
+            def post_hook(o, sd):
+                sd["ran_post_hook"] = sd["state"].pop("test", None) == 1
+            opt.register_state_dict_post_hook(post_hook)
+        sd = opt.state_dict()
+        results.append((sd["state"].get("test"), sd.get("ran_post_hook")))
+        if not with_post_hook:
+            del opt.state["test"]
+            opt.load_state_dict(sd)  # torch keeps the key in the loaded state
+            results.append(opt.state.get("test"))
+    expected = [(None, True)] if with_post_hook else [(1, None), 1]
+    assert results[: len(expected)] == expected  # what torch does
+    assert results[len(expected):] == results[: len(expected)]
+
+
+def test_tensor_betas_like_adamw() -> None:
+    params, ref_params = make_params(), None
+    ref_params = twin(params)
+    betas = (torch.tensor(0.9), torch.tensor(0.99))
+    zen = make_zen(params, betas=betas, **ALL_ON_DEVICE)
+    ref = make_adamw(ref_params, betas=betas)
+    for i in range(STEPS):
+        train_step(zen, params, i)
+        train_step(ref, ref_params, i)
+    assert_params_close(params, ref_params, "tensor betas")
+    sd = zen.state_dict()
+    assert isinstance(sd["param_groups"][0]["betas"][0], torch.Tensor)  # kept as given, as torch keeps them
+
+
+@pytest.mark.parametrize("betas", [(0.9, torch.tensor(0.99)), (torch.tensor(0.9), 0.99)], ids=["float-tensor",
+                                                                                             "tensor-float"])
+def test_mixed_betas_refused_with_torchs_message(betas) -> None:
+    p = make_params()[0]
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        torch.optim.AdamW([p], betas=betas)
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        _opened.append(ZenFlowAdamW([p], betas=betas))
+
+
+def test_numpy_hyperparameters_like_adamw() -> None:
+    np = pytest.importorskip("numpy")
+    kwargs = dict(lr=np.float32(0.01), eps=np.float64(1e-8), weight_decay=np.float32(0.1),
+                  betas=np.array([0.9, 0.999]))
+    params = make_params()
+    ref_params = twin(params)
+    zen = ZenFlowAdamW(params, min_offload_numel=MIN_OFFLOAD, **ALL_ON_DEVICE, **kwargs)
+    _opened.append(zen)
+    ref = torch.optim.AdamW(ref_params, foreach=False, **kwargs)
+    zen.add_param_group({"params": [nn.Parameter(torch.ones(5))], "lr": np.float64(1e-3)})
+    ref.add_param_group({"params": [nn.Parameter(torch.ones(5))], "lr": np.float64(1e-3)})
+    for i in range(STEPS):
+        train_step(zen, params, i)
+        train_step(ref, ref_params, i)
+    assert_params_close(params, ref_params, "numpy hyperparameters")
+    # Refused values stay refused, numpy or not, with torch's message.
+    with pytest.raises(ValueError, match="Invalid learning rate|Invalid lr"):
+        _opened.append(ZenFlowAdamW(make_params()[:1], lr=np.float32(-1.0)))

@@ -252,7 +252,7 @@ def to_adamw(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- whole state_dicts
 
-Plan = list[tuple[torch.Tensor, Mapping[str, Any], bool]]
+Plan = list[tuple[Any, Any, bool | None]]  # (parameter, entry, offloaded); a hook's key: (key, value, None)
 
 
 def _index(param_groups: Sequence[Mapping[str, Any]]) -> dict[int, int]:
@@ -276,7 +276,11 @@ def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[torch.Tensor,
         packed["params"] = [index[id(p)] for p in group["params"]]
         packed["zenflow"] = dict(zenflow)
         groups.append(packed)
-    entries = {index[id(p)]: (save_offloaded(p, st, records[p]) if p in records else save_resident(st))
+    # A key that is no parameter (a state_dict pre-hook's ``optimizer.state["test"] = 1``) is kept as it is, as
+    # torch.optim packs it.
+    entries = {(index[id(p)] if isinstance(p, torch.Tensor) else p):
+               (st if not isinstance(p, torch.Tensor) else
+                save_offloaded(p, st, records[p]) if p in records else save_resident(st))
                for p, st in state.items()}
     return {"state": entries, "param_groups": groups, "zenflow": zenflow}
 
@@ -286,7 +290,8 @@ def plan_load(state_dict: Any, *, param_groups: Sequence[Mapping[str, Any]],
               min_offload_numel: int, knobs: Any) -> tuple[Mapping[str, Any] | None, Plan]:
     """Validate ``state_dict`` against an optimizer (its groups, its group check, its offload decision, its
     :class:`~zenflow_triton.auto.Knobs`) without changing anything. Returns its "zenflow" entry (None for
-    torch.optim.AdamW's) and, per state entry, (parameter, entry in format 2 or AdamW's, offloaded)."""
+    torch.optim.AdamW's) and, per state entry, (parameter, entry in format 2 or AdamW's, offloaded), where a key
+    that is no parameter's id keeps its entry as it is, with ``offloaded`` None."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state_dict (it needs 'state' and 'param_groups')")
     saved_groups = state_dict["param_groups"]
@@ -297,7 +302,7 @@ def plan_load(state_dict: Any, *, param_groups: Sequence[Mapping[str, Any]],
     if zenflow is None and saved_groups and isinstance(saved_groups[0], Mapping):
         zenflow = saved_groups[0].get("zenflow")  # torch.distributed.checkpoint keeps the groups, not extra keys
     adamw = zenflow is None
-    if adamw and not all(is_adamw_entry(st) for st in state_dict["state"].values()):
+    if adamw and not all(is_adamw_entry(st) for sid, st in state_dict["state"].items() if isinstance(sid, int)):
         raise ValueError("this state_dict was saved neither by a ZenFlowAdamW (it has no 'zenflow' entry) nor by "
                          "torch.optim.AdamW (its entries are not step/exp_avg/exp_avg_sq)")
     id_map, where_of = {}, {}
@@ -314,6 +319,10 @@ def plan_load(state_dict: Any, *, param_groups: Sequence[Mapping[str, Any]],
         raise ValueError(f"loaded state dict has checkpoint format {fmt!r}; this version reads formats 1 and {FORMAT}")
     plan: Plan = []
     for sid, saved in state_dict["state"].items():
+        if not isinstance(sid, int) and sid not in id_map:
+            # No parameter's id (a hook's key, ``optimizer.state["test"] = 1``): kept as it is, as torch keeps it.
+            plan.append((sid, saved, None))
+            continue
         if sid not in id_map:
             raise ValueError(f"loaded state dict has state for parameter id {sid!r}, which no group lists")
         p, where = id_map[sid], where_of[sid]
@@ -358,4 +367,5 @@ def to_adamw_state_dict(sd: Mapping[str, Any], param_groups: Sequence[Mapping[st
     by_index = {index[id(p)]: p for group in param_groups for p in group["params"]}
     groups: list[MutableMapping[str, Any]] = [{k: v for k, v in g.items() if k != "zenflow"}
                                               for g in sd["param_groups"]]
-    return {"state": {i: to_adamw(by_index[i], entry) for i, entry in sd["state"].items()}, "param_groups": groups}
+    return {"state": {i: to_adamw(by_index[i], entry) if i in by_index else entry for i, entry in sd["state"].items()},
+            "param_groups": groups}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -90,8 +91,13 @@ class ZenFlowConfig:
         """k = ceil(r*C): 0 when r = 0, C when r = 1."""
         if not isinstance(self.topk_ratio, (int, float)):
             raise ValueError("topk is defined only once topk_ratio is concrete")
-        # round first: 0.1 * 30 is 3.0000000000000004 in binary floating point, and k must be 3.
-        return min(num_columns, math.ceil(round(self.topk_ratio * num_columns, 6)))
+        # r*C that is an integer up to float error is that integer (0.1 * 30 is 3.0000000000000004 in binary, and k
+        # must be 3): r is within half an ulp of the decimal written and the product adds half an ulp, so a few ulps
+        # of r*C cover both; anything further above an integer rounds up, however small r is (1e-9 gives k = 1).
+        x = self.topk_ratio * num_columns
+        n = round(x)
+        k = n if abs(x - n) <= 4 * sys.float_info.epsilon * x else math.ceil(x)
+        return min(num_columns, k)
 
     def replace(self, **changes: Any) -> ZenFlowConfig:
         return dataclasses.replace(self, **changes)

@@ -15,6 +15,7 @@ layout), :mod:`.columns` (selection and migration), :mod:`.auto` ("auto" knobs) 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,17 +23,30 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
-from .auto import AUTO_WARMUP_STEPS, Knobs
+from . import checkpoint, retune
+from .auto import AUTO_WARMUP_STEPS, Knobs, announce
 from .columns import reselect_many_
 from .config import ZenFlowConfig
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
-from .params import check_grad, check_group, check_param, offloads, warn_if_kept_resident
+from .params import (
+    META_HINT,
+    check_betas_pair,
+    check_grad,
+    check_group,
+    check_param,
+    check_unchanged,
+    describe,
+    hyperparams,
+    offloads,
+    warn_kept_resident,
+)
 from .pipeline import Pipeline, Stats, Window
 from .sharding import add_summed_scores_, local
 from .state import init_resident, load_resident
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
+
+logger = logging.getLogger("zenflow_triton")
 
 @dataclass
 class Schedule:
@@ -89,7 +103,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_timeout: float = 600.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
+        hyperparams(defaults, decoupled=self._decoupled)
+        check_betas_pair(betas)
         self.config = ZenFlowConfig(
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
@@ -101,8 +116,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline = Pipeline(self.config, self._stats)
         super().__init__(params, defaults)
         self._knobs = Knobs(self.config, device=self._device)  # after the params: cpu_threads' default is per device
-        if self._device is not None:
-            # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
+        if self._device is not None and self._device.type != "meta":
+            # Fail here, not at the first step(), when the backend cannot run on the parameters' device (meta
+            # parameters are checked at the first step, on the device they were materialized on).
             load_device_ops(self.config.backend, self._device)
 
     # ------------------------------------------------------------------ torch.optim surface
@@ -113,6 +129,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
                             "tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        existing = [q for g in self.param_groups for q in g["params"]]
+        if existing:
+            # The parameters' device now: an optimizer built over meta parameters follows them to the device that
+            # module.to_empty(device=...) gave them (how FSDP2 and init_empty_weights build large models).
+            self._device = existing[0].device
         for i, p in enumerate(params):
             named = isinstance(p, tuple) and len(p) == 2  # named parameters: (name, tensor)
             self._device = check_param(p[1] if named else p, i, self._device)
@@ -133,6 +154,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         entered = time.perf_counter()
         stall_before = self._stats.stall_s
         with pipeline.deferred_interrupts():
+            check_unchanged(self.param_groups, self.state, pipeline.records)
             pipeline.rehome(self.state)
             resident, offloaded = self._prepare_step()
             if not offloaded and not any(ps for _, ps in resident):
@@ -161,6 +183,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline.check_usable()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        check_unchanged(self.param_groups, self.state, self._pipeline.records)
         with self._pipeline.deferred_interrupts():
             self._pipeline.rehome(self.state)
             self._pipeline.wait(self.state, merge=False)
@@ -190,26 +213,65 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             check_group=lambda g, where: check_group({**self.defaults, **g}, decoupled=self._decoupled, where=where),
             offloads=self._offloads, min_offload_numel=self.config.min_offload_numel, knobs=self._knobs,
         )
-        # Nothing below raises on a checked state_dict (short of running out of memory).
+        # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
+        # exists, so running out of host or device memory here leaves them as they were.
+        offloaded, new_state = [], {}
+        for p, saved, is_offloaded in plan:
+            if is_offloaded is None:
+                new_state[p] = saved  # a key that is no parameter's (a hook's): kept as it is, as torch keeps it
+            elif is_offloaded:
+                offloaded.append((p, checkpoint.localize(p, saved)))
+            else:
+                new_state[p] = load_resident(p, saved)
+        loaded = self._pipeline.stage_load(offloaded)
+        group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
+                        for sg in state_dict["param_groups"]]
+        # Nothing below raises or allocates.
         if zenflow is not None:
+            knobs_before = self._knobs.state_dict()
             self._knobs.load_state_dict(zenflow)
+            changed = retune.describe_changes(knobs_before, self._knobs.state_dict())
+            if changed:
+                # The checkpoint's knobs win (as a torch state_dict's group values do): say so, once.
+                announce(f"load_state_dict: the checkpoint's knobs replace this optimizer's: {changed}; "
+                         "opt.set_knobs(...) after the load changes them", logger)
             self._schedule.step = checkpoint.schedule_step(zenflow, plan)
         else:
             # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
             # selection at the next step), while every column's bias correction continues from AdamW's count.
             self._schedule.step = 0
-        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")})
+        for g, values in zip(self.param_groups, group_values):
+            g.update(values)
         self.state.clear()
-        offloaded = []
-        for p, saved, is_offloaded in plan:
-            if is_offloaded:
-                offloaded.append((p, checkpoint.localize(p, saved)))
-            else:
-                self.state[p] = load_resident(p, saved)
-        self._pipeline.load(offloaded, self.state)
+        self.state.update(new_state)
+        self._pipeline.commit_load(loaded, self.state)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def set_knobs(self, *, topk_ratio: float | None = None, update_interval: int | None = None,
+                  select_interval: int | None = None) -> None:
+        """Change ``topk_ratio``, ``update_interval`` or ``select_interval`` of a running optimizer, typically a
+        resumed one (a checkpoint's knobs win over the constructor's at ``load_state_dict()``). A new
+        ``update_interval`` or ``select_interval`` starts a fresh window: the open one ends now, as at ``flush()``,
+        and the next window ends at the schedule's next multiple of U; a new ``topk_ratio`` takes effect at the next
+        selection step (the current selection stands until then). Without ``select_interval``, S follows a new U
+        where it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` carries the
+        new values and ``stats()`` shows them (``opt.config`` stays the constructor's). Validated as in the
+        constructor; nothing changes when it raises."""
+        self._pipeline.check_usable()
+        if not self._knobs.ready:
+            raise RuntimeError("set_knobs: the 'auto' knobs are not chosen yet (they are at the first step after "
+                               "warm-up); call it after that, or build the optimizer with fixed knobs")
+        resolved = self._knobs.resolved
+        new = retune.retuned(resolved, topk_ratio=topk_ratio, update_interval=update_interval,
+                             select_interval=select_interval)
+        before = self._knobs.state_dict()
+        if (new.update_interval, new.select_interval) != (resolved.update_interval, resolved.select_interval):
+            self.flush()  # the windows restart: none may hold gradients of the old schedule (DESIGN §3 step 2)
+        self._knobs.resolved = new
+        changed = retune.describe_changes(before, self._knobs.state_dict())
+        if changed:
+            logger.info("zenflow_triton: set_knobs: %s", changed)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
@@ -226,6 +288,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         correctly afterwards; the next window ends at the schedule's next window end."""
         pipeline = self._pipeline
         pipeline.check_usable()
+        check_unchanged(self.param_groups, self.state, pipeline.records)
         with pipeline.deferred_interrupts():
             pipeline.rehome(self.state)
             windows = pipeline.open_windows(self.state, self._hp_of({}))
@@ -235,11 +298,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 pipeline.wait(self.state, merge=True)
 
     def close(self) -> None:
-        """Stop the host worker and release host buffers. The optimizer cannot step afterwards."""
-        with self._pipeline.deferred_interrupts():
-            if not self._pipeline.closed:
-                self._pipeline.rehome(self.state)
-            self._pipeline.close(self.state)
+        """Stop the host worker and release host buffers. The optimizer cannot step afterwards. It always returns
+        (within ``worker_timeout``): host work it cannot apply (a hung or failed worker, a parameter whose storage
+        was replaced) is reported in a warning, not raised."""
+        pipeline = self._pipeline
+        with pipeline.deferred_interrupts():
+            if not pipeline.closed and pipeline.failure is None:
+                try:
+                    check_unchanged(self.param_groups, self.state, pipeline.records)
+                    pipeline.rehome(self.state)
+                except Exception as exc:  # noqa: BLE001 - the state is released whatever is wrong with it
+                    pipeline.failure = exc
+                    logger.warning("zenflow_triton: close() drops the host work in flight: %s", exc)
+            pipeline.close(self.state)
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: the constructor's arguments and a ``state_dict()``; the copy is
@@ -261,8 +332,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """Telemetry since construction (DESIGN §7); time in seconds, sizes in bytes."""
-        return {**self._pipeline.report(), **self._knobs.state_dict(), **self._knobs.report(self._stats)}
+        """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
+        sizes in bytes."""
+        s = self._stats
+        # Per-step views: the mean time a step() call took (all of it: device work or its launches, and the wait
+        # for the host) and the part of it that was waiting.
+        per_step = {"ms_per_step": 1e3 * (s.device_opt_s + s.stall_s) / s.steps if s.steps else 0.0,
+                    "stall_ms_per_step": 1e3 * s.stall_s / s.steps if s.steps else 0.0}
+        return {**self._pipeline.report(), **per_step, **self._knobs.state_dict(), **self._knobs.report(s)}
 
     # ------------------------------------------------------------------ the step
 
@@ -279,37 +356,59 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 return known[p][0]
             if not groups:
                 groups.update({q: g for g in self.param_groups for q in g["params"]})
-            return AdamHyperparams.from_group(groups[p], decoupled=self._decoupled)
+            return hyperparams(groups[p], decoupled=self._decoupled)
 
         return hp_of
 
     def _prepare_step(
         self,
     ) -> tuple[list[tuple[AdamHyperparams, list[torch.Tensor]]], list[tuple[AdamHyperparams, torch.Tensor]]]:
-        """Validate hyperparameters and gradients, create state for parameters stepping for the first time, and
+        """Validate hyperparameters and every gradient (before anything changes), create state for parameters
+        stepping for the first time (all or nothing: out of memory keeps none, and a later step retries), and
         return the parameters that step now: resident ones per group, offloaded ones with their group's record."""
         resident: list[tuple[AdamHyperparams, list[torch.Tensor]]] = []
         offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
         fresh: list[torch.Tensor] = []
+        fresh_resident: list[torch.Tensor] = []
+        seen: set[int] = set()  # ids of the fresh ones (a parameter may be listed twice)
+        device = None
         for group in self.param_groups:
             hp = check_group(group, decoupled=self._decoupled)  # a group may have been edited since it was added
             resident.append((hp, []))
             for p in group["params"]:
+                if p.is_meta:
+                    raise RuntimeError(f"{describe(p, self.param_groups)} is on the meta device: {META_HINT}")
                 if p.grad is None:
                     continue
                 offloads = self._offloads(p)
-                check_grad(p, p.grad, offloaded=offloads)
+                try:
+                    check_grad(p, p.grad, offloaded=offloads)
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{describe(p, self.param_groups)}: {exc}") from None
+                if device is None:
+                    device = p.device
+                elif p.device != device:
+                    raise ValueError(f"{describe(p, self.param_groups)} is on {p.device} but other parameters are on "
+                                     f"{device}; use one ZenFlowAdamW per device")
+                new = (p not in self.state or not self.state[p]) and id(p) not in seen
+                if new:
+                    seen.add(id(p))
                 if offloads:
                     offloaded.append((hp, p))
-                    if (p not in self.state or not self.state[p]) and all(q is not p for q in fresh):
+                    if new:
                         fresh.append(p)
                 else:
                     resident[-1][1].append(p)
-                    if p not in self.state or not self.state[p]:
-                        warn_if_kept_resident(p, self.config.min_offload_numel)
-                        self.state[p] = init_resident(p)
+                    if new:
+                        fresh_resident.append(p)
+        if device is not None:
+            self._device = device  # the parameters' device now (built over meta parameters, then materialized)
+        new_state = {p: init_resident(p) for p in fresh_resident}
         if fresh:
             self._pipeline.add(fresh, self.state)
+        self.state.update(new_state)
+        if fresh_resident:
+            warn_kept_resident(fresh_resident, self.config.min_offload_numel)
         return resident, offloaded
 
     def _resident_step(self, resident: list[tuple[AdamHyperparams, list[torch.Tensor]]]) -> None:

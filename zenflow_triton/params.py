@@ -4,7 +4,7 @@ gradients (step), and the per-group options of torch.optim.AdamW that change the
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,8 @@ from .columns import is_offloaded
 from .kernels import MODEL_DTYPES, AdamHyperparams
 from .sharding import check_placement, local
 
-__all__ = ["check_grad", "check_group", "check_param", "offloads", "warn_if_kept_resident"]
+__all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_param", "check_unchanged", "describe",
+           "hyperparams", "offloads", "warn_kept_resident"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -25,6 +26,44 @@ _REFUSED_OPTIONS = {
     "capturable": (False, "capturable=True is not supported (the host half of a step cannot be graph-captured)"),
     "differentiable": (False, "differentiable=True is not supported"),
 }
+
+
+def _plain(x: Any) -> Any:
+    """A numpy scalar (``np.float32(0.01)``, an element of a numpy array) as the Python number it holds, as
+    torch.optim.AdamW computes with it; anything else as it is."""
+    if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+        return x.item()
+    return x
+
+
+def _beta(b: Any, i: int) -> Any:
+    if isinstance(b, torch.Tensor):
+        if b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        return b.item()  # as a tensor lr: its value now (read once per group and step)
+    return _plain(b)
+
+
+def hyperparams(group: Mapping[str, Any], *, decoupled: bool) -> AdamHyperparams:
+    """The group's :class:`AdamHyperparams`, reading what torch.optim.AdamW computes with: numpy scalars, ``betas``
+    as a numpy array, 1-element tensor betas (and lr, :meth:`AdamHyperparams.from_group`). The group keeps them as
+    given, as torch's does."""
+    betas = group["betas"]
+    if type(betas).__module__ == "numpy" and getattr(betas, "shape", None) == (2,):
+        betas = tuple(betas)
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        betas = (_beta(betas[0], 0), _beta(betas[1], 1))
+    plain = {"lr": _plain(group["lr"]), "betas": betas, "eps": _plain(group["eps"]),
+             "weight_decay": _plain(group["weight_decay"])}
+    return AdamHyperparams.from_group(plain, decoupled=decoupled)
+
+
+def check_betas_pair(betas: Any) -> None:
+    """torch.optim.AdamW's constructor check: both betas floats or both tensors (numpy float64 is a float)."""
+    pair = tuple(betas) if isinstance(betas, (tuple, list)) or type(betas).__module__ == "numpy" else ()
+    if len(pair) == 2 and not (all(isinstance(b, float) for b in pair) or all(isinstance(b, torch.Tensor)
+                                                                             for b in pair)):
+        raise ValueError("betas must be either both floats or both Tensors")
 
 
 def check_group(group: Mapping[str, Any], *, decoupled: bool, where: str = "param group") -> AdamHyperparams:
@@ -39,7 +78,7 @@ def check_group(group: Mapping[str, Any], *, decoupled: bool, where: str = "para
         other = "ZenFlowAdamW (AdamW's decoupled decay)" if value else "ZenFlowAdam (Adam's L2 decay)"
         raise ValueError(f"Invalid decoupled_weight_decay: {value!r} in {where}: this optimizer's weight decay is "
                          f"{'decoupled' if decoupled else 'L2'}; use {other}")
-    return AdamHyperparams.from_group(group, decoupled=decoupled)
+    return hyperparams(group, decoupled=decoupled)
 
 
 def check_param(p: Any, i: int, device: torch.device | None) -> torch.device:
@@ -49,10 +88,19 @@ def check_param(p: Any, i: int, device: torch.device | None) -> torch.device:
     if p.is_complex():
         raise ValueError(f"parameter {i} of shape {tuple(p.shape)} is complex ({p.dtype}); not supported")
     check_placement(p, f"parameter {i} of shape {tuple(p.shape)}")
+    if device is not None and p.device != device and "meta" in (p.device.type, device.type):
+        raise ValueError(f"parameter {i} of shape {tuple(p.shape)} is on {p.device} but earlier parameters are on "
+                         f"{device}: {META_HINT}")
     if device is not None and p.device != device:
         raise ValueError(f"parameter {i} of shape {tuple(p.shape)} is on {p.device} but earlier parameters are on "
                          f"{device}; use one ZenFlowAdamW per device")
     return p.device
+
+
+# What to do when the optimizer holds meta parameters at a step, or meets real ones beside them.
+META_HINT = ("module.to_empty(device=...) and module.to(...) replace meta parameters by new tensors, so an optimizer "
+             "built before holds the meta ones; build it after materializing the model, or call "
+             "torch.__future__.set_swap_module_params_on_conversion(True) first, which keeps the parameters' identity")
 
 
 def check_grad(p: torch.Tensor, g: torch.Tensor, *, offloaded: bool) -> None:
@@ -66,13 +114,50 @@ def check_grad(p: torch.Tensor, g: torch.Tensor, *, offloaded: bool) -> None:
     if g.shape != p.shape or g.device != p.device:
         raise RuntimeError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter of shape "
                            f"{tuple(p.shape)} on {p.device}")
-    if offloaded:
-        if not local(g).is_contiguous():
-            raise RuntimeError(f"gradient of parameter of shape {tuple(p.shape)} is not contiguous "
-                               f"(strides {g.stride()})")
-        if g.dtype != p.dtype:
-            raise RuntimeError(f"gradient dtype {g.dtype} differs from parameter dtype {p.dtype} "
-                               f"(shape {tuple(p.shape)})")
+    # AdamW's moments have the parameter's dtype, so torch.optim.AdamW cannot use another dtype's gradient either
+    # (it fails inside lerp_); checked here for every parameter, before anything steps.
+    if g.dtype != p.dtype:
+        raise RuntimeError(f"gradient dtype {g.dtype} differs from parameter dtype {p.dtype} "
+                           f"(shape {tuple(p.shape)})")
+    if offloaded and not local(g).is_contiguous():
+        raise RuntimeError(f"gradient of parameter of shape {tuple(p.shape)} is not contiguous "
+                           f"(strides {g.stride()})")
+
+
+def describe(p: torch.Tensor, param_groups: Sequence[Mapping[str, Any]]) -> str:
+    """How an error names ``p``: its name when the groups were given named parameters (``param_names``, as torch
+    keeps them), else its place and shape."""
+    for gi, group in enumerate(param_groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                names = group.get("param_names")
+                if names and pi < len(names):
+                    return f"parameter '{names[pi]}'"
+                return f"parameter {pi} of param group {gi} (shape {tuple(p.shape)})"
+    return f"parameter of shape {tuple(p.shape)}"
+
+
+def check_unchanged(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[str, Any]],
+                    records: Mapping[torch.Tensor, Any]) -> None:
+    """``RuntimeError`` naming the parameter when its storage was replaced (``p.data = ...``) by another shape or
+    dtype since its state was made: the state no longer fits it (torch.optim.AdamW fails at its step too). Checked
+    before a step changes anything."""
+    for p, st in state.items():
+        if not isinstance(p, torch.Tensor):
+            continue  # a key a hook added (torch keeps such keys as they are)
+        rec = records.get(p)
+        if rec is not None:
+            made, now = (rec.shape, rec.dtype), (tuple(local(p).shape), p.dtype)
+        else:
+            m = st.get("exp_avg")
+            if not isinstance(m, torch.Tensor):
+                continue
+            made, now = (tuple(m.shape), m.dtype), (tuple(p.shape), p.dtype)
+        if made != now:
+            raise RuntimeError(
+                f"{describe(p, param_groups)}: its optimizer state was made for shape {list(made[0])} ({made[1]}) but "
+                f"the parameter is now {list(now[0])} ({now[1]}): its storage was replaced (p.data = ...?). The state "
+                "does not fit it; restore the parameter's shape, or build a new optimizer for the new one")
 
 
 def offloads(p: torch.Tensor, min_offload_numel: int) -> bool:
@@ -82,12 +167,28 @@ def offloads(p: torch.Tensor, min_offload_numel: int) -> bool:
     return _matrix(p, min_offload_numel) and local(p).is_contiguous() and p.dtype in MODEL_DTYPES
 
 
-def warn_if_kept_resident(p: torch.Tensor, min_offload_numel: int) -> None:
-    """Say so when a matrix that the offload rule selects stays resident for its layout or dtype."""
-    if _matrix(p, min_offload_numel) and not offloads(p, min_offload_numel):
-        logger.warning("zenflow_triton: a parameter of shape %s (%s, strides %s) stays resident (plain AdamW on its "
-                       "device): only contiguous float32, bfloat16 and float16 parameters are offloaded",
-                       tuple(p.shape), p.dtype, p.stride())
+# The most shapes the kept-resident warning lists (a model converted to float64 would list every matrix).
+_LISTED_SHAPES = 8
+
+
+def warn_kept_resident(params: Sequence[torch.Tensor], min_offload_numel: int) -> None:
+    """One warning for all the matrices among ``params`` (stepping for the first time) that the offload rule selects
+    but that stay resident for their layout or dtype: how many, their shapes, and what to do."""
+    kept = [p for p in params if _matrix(p, min_offload_numel) and not offloads(p, min_offload_numel)]
+    if not kept:
+        return
+
+    def what(p: torch.Tensor) -> str:
+        layout = "" if local(p).is_contiguous() else f" non-contiguous, strides {p.stride()}"
+        return f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}{layout}"
+
+    listed = "; ".join(what(p) for p in kept[:_LISTED_SHAPES])
+    more = f"; and {len(kept) - _LISTED_SHAPES} more" if len(kept) > _LISTED_SHAPES else ""
+    logger.warning("zenflow_triton: %d parameter matri%s stay%s resident (plain AdamW on the device, its state in "
+                   "device memory): %s%s. Only contiguous float32, bfloat16 and float16 matrices are offloaded; to "
+                   "offload them, convert the model (model.float()) or make those parameters contiguous before "
+                   "building the optimizer", len(kept), "x" if len(kept) == 1 else "ces",
+                   "s" if len(kept) == 1 else "", listed, more)
 
 
 def _matrix(p: torch.Tensor, min_offload_numel: int) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -102,6 +103,7 @@ class HostItem:
     snapshot: torch.Tensor | None
     count: int
     hp: AdamHyperparams
+    cancelled: threading.Event | None = None  # the worker's: set when the job overran its timeout
 
 
 def compile_host_kernels() -> float:
@@ -118,7 +120,10 @@ def compile_host_kernels() -> float:
 
 
 def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
-    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent."""
+    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent. Once an
+    item's ``cancelled`` is set (the job overran worker_timeout) it writes nothing more: it stops before its next
+    item, so a parameter that the user restored after the timeout stays as restored (an item being written
+    finishes)."""
     # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
     from .kernels.cpu_adamw import host_adamw_
 
@@ -128,6 +133,8 @@ def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_thre
         # before it completes would see the previous window's bytes.
         ready.synchronize()
     for it in items:
+        if it.cancelled is not None and it.cancelled.is_set():
+            break
         # Each column's bias correction counts its own updates: one more for every column updated here.
         it.col_step.add_(it.unselected)
         host_adamw_(it.master, it.exp_avg, it.exp_avg_sq, it.grad, count=it.count, slot=it.slot,
@@ -218,9 +225,12 @@ class Pipeline:
         try:
             if self.failure is None:
                 self.wait(state, merge=True)
+        except Exception as exc:  # close() always closes: what could not be applied is reported, not raised
+            logger.warning("zenflow_triton: close() could not apply the host work in flight (%s: %s); the "
+                           "parameters lack its update", type(exc).__name__, exc)
         finally:
             self.closed = True
-            self.worker.close()
+            self.worker.close(self.config.worker_timeout)
             self._finalizer.detach()
             if self._device is not None:
                 # Queued copies read and write slab pages (copy stream) and merges read staging (compute stream):
@@ -267,9 +277,15 @@ class Pipeline:
     # ------------------------------------------------------------------ host state
 
     def add(self, params: Sequence[torch.Tensor], state: State) -> None:
-        """Host state for parameters stepping for the first time: one slab, fresh state."""
-        for p, rec in self._allocate(params, state).items():
-            init_offloaded(p, state[p], rec)
+        """Host state for parameters stepping for the first time: one slab, fresh state. All or nothing: when an
+        allocation fails (out of host or device memory) nothing is kept, and a later step() can retry."""
+        staged: dict[torch.Tensor, dict[str, Any]] = {}
+        slab, records = self._allocate(params, staged)
+        for p, rec in records.items():
+            init_offloaded(p, staged[p], rec)
+        self.slabs.append(slab)
+        self.records.update(records)
+        state.update(staged)
         self._start_compile()
 
     def _start_compile(self) -> None:
@@ -279,22 +295,42 @@ class Pipeline:
             _host_kernels_requested = True
             self._job, self._job_compiles = self.worker.submit(compile_host_kernels), True
 
-    def load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], state: State) -> None:
-        """Replace all host state by saved state (``load_state_dict``): the old slabs go, one new slab holds all."""
+    def stage_load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]]) -> Any:
+        """The first half of ``load_state_dict``: a new slab and state for every offloaded parameter, filled from
+        ``saved``, with nothing of this pipeline changed (an allocation that fails leaves it as it was). The
+        parameters are not written either: a parameter that is its own master gets the saved master at
+        :meth:`commit_load`."""
+        if not saved:
+            return None
+        staged: dict[torch.Tensor, dict[str, Any]] = {}
+        slab, records = self._allocate([p for p, _ in saved], staged)
+        for p, entries in saved:
+            load_offloaded(p, staged[p], records[p], entries, write_own_master=False)
+        return slab, records, staged, saved
+
+    def commit_load(self, loaded: Any, state: State) -> None:
+        """The second half: replace all host state by what :meth:`stage_load` made (``state`` already cleared);
+        the old slabs go. Allocates nothing."""
         if self._device is not None:
             # The old slabs die here: queued copies from or into their pages (a merge's, after a synchronous window
             # that nothing waited for on the device) must have finished first. See close().
             torch.cuda.synchronize(self._device)
         self.records.clear()
         self.slabs.clear()
-        if not saved:
+        if loaded is None:
             return
-        records = self._allocate([p for p, _ in saved], state)
+        slab, records, staged, saved = loaded
+        self.slabs.append(slab)
+        self.records.update(records)
+        state.update(staged)
         for p, entries in saved:
-            load_offloaded(p, state[p], records[p], entries)
+            rec = records[p]
+            if rec.master_is_param:
+                rec.host["host_master"].copy_(entries["master"].detach().reshape(rec.rows, rec.cols))
         self._start_compile()
 
-    def _allocate(self, params: Sequence[torch.Tensor], state: State) -> dict[torch.Tensor, OffloadedParam]:
+    def _allocate(self, params: Sequence[torch.Tensor],
+                  state: State) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
         grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
         device = params[0].device
         if device.type == "cuda":
@@ -303,10 +339,7 @@ class Pipeline:
             self.worker.use_device(device)
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
-        self.slabs.append(slab)
-        self.records.update(records)
-        return records
+            return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
 
     # ------------------------------------------------------------------ the schedule's calls
 
@@ -450,7 +483,8 @@ class Pipeline:
         st["pending"] = not (w.grad is not None or rec.master_is_param)
         return HostItem(master=st["host_master"], exp_avg=st["host_exp_avg"], exp_avg_sq=st["host_exp_avg_sq"],
                         grad=grad, slot=rec.masks.host_slot, unselected=rec.masks.unselected,
-                        col_step=st["host_col_step"], snapshot=snapshot, count=count, hp=w.hp)
+                        col_step=st["host_col_step"], snapshot=snapshot, count=count, hp=w.hp,
+                        cancelled=self.worker.cancelled)
 
     def wait(self, state: State, *, merge: bool) -> None:
         """Wait for the job in flight (time counted as stall); with ``merge``, write every pending host result into

@@ -62,6 +62,10 @@ class OffloadedParam:
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     # The process group over which a sharded (FSDP2) parameter's rows are split; None for a plain tensor.
     group: Any = None
+    # The parameter's (local) shape and dtype when its state was made: a parameter whose storage is replaced by
+    # another shape or dtype (``p.data = ...``) no longer fits it (params.check_unchanged).
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
     _score_delta: torch.Tensor | None = None
 
     def score_delta(self) -> torch.Tensor:
@@ -104,7 +108,8 @@ def allocate(
         snapshot = next(views) if p.dtype != torch.float32 else None
         records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
                                     masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
-                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p))
+                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p),
+                                    shape=tuple(local(p).shape), dtype=p.dtype)
     return slab, records
 
 
@@ -129,10 +134,13 @@ def init_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> 
     rec.masks.refresh(st["slot"])
 
 
-def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, saved: Mapping[str, Any]) -> None:
+def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, saved: Mapping[str, Any], *,
+                   write_own_master: bool = True) -> None:
     """Load a checkpoint entry (format 2, checked: :func:`.checkpoint.check_offloaded`) into the slab views and onto
     the parameter's device; rebuild what derives from it. The selected columns' state goes to the compact device
-    arrays; the host arrays get every column (they are read only where a column is unselected)."""
+    arrays; the host arrays get every column (they are read only where a column is unselected).
+    ``write_own_master=False``: a parameter that is its own master (``rec.master_is_param``) is left unwritten, for
+    the caller to copy the saved master into once nothing else can fail."""
     rows, cols = rec.rows, rec.cols
     dev = p.device
     selected = saved["selected"].detach().cpu().bool()
@@ -141,7 +149,8 @@ def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, sav
     slot[idx] = torch.arange(idx.numel(), dtype=torch.int32)
     for key in ("master", "exp_avg", "exp_avg_sq"):
         full = saved[key].detach().cpu().reshape(rows, cols)
-        st["host_" + key].copy_(full)
+        if key != "master" or not rec.master_is_param or write_own_master:
+            st["host_" + key].copy_(full)
         st[key] = full[:, idx].to(dev, dtype=torch.float32, copy=True)
     st["host_col_step"].copy_(saved["col_step"])
     st["col_step"] = saved["col_step"].to(dev, dtype=torch.int32, copy=True)

@@ -70,6 +70,9 @@ class HostWorker:
         )
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        # Set when a job overran its timeout (the optimizer then stops): jobs check it before writing anything
+        # (run_host_job, before each parameter), queued jobs no longer run, and close() does not wait for the thread.
+        self.cancelled = threading.Event()
         self._device: Any = None  # the CUDA device jobs run on (use_device), None: whatever the thread has
         self._thread_device: Any = None  # the device set in the worker thread so far
         self._thread.start()
@@ -84,7 +87,9 @@ class HostWorker:
             # next job must hold nothing of the last one (host buffers from a slab replaced since, by
             # load_state_dict or close, would otherwise stay pinned until the next window).
             del item
-            if future.set_running_or_notify_cancel():
+            if self.cancelled.is_set():
+                future.set_exception(WorkerError("the host worker was stopped by a timeout; this job did not run"))
+            elif future.set_running_or_notify_cancel():
                 self._run(future, fn, args)
             del future, fn, args
 
@@ -138,6 +143,9 @@ class HostWorker:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # Declared hung: whatever the job still does must not reach memory the user may reuse now (a model
+                # restored from a checkpoint into the parameters it would have written).
+                self.cancelled.set()
                 raise WorkerError(
                     f"the host worker did not finish a job within worker_timeout={timeout:g} s; "
                     "it is hung or far slower than expected (raise worker_timeout if that is normal)"
@@ -149,12 +157,18 @@ class HostWorker:
                     raise WorkerError("the host worker thread died before finishing its job") from None
 
     def close(self, timeout: float = 60.0) -> None:
-        """Finish queued jobs, then stop the thread. Safe to call more than once."""
+        """Finish queued jobs, then stop the thread, waiting at most ``timeout`` seconds (none after a job overran
+        its timeout: the thread is then left to end on its own, a daemon that writes nothing more). Safe to call
+        more than once."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            hung = self.cancelled.is_set()
+            self._thread.join(0.0 if hung else timeout)
             if self._thread.is_alive():
-                logger.warning("zenflow_triton host worker did not stop within %.0f s", timeout)
+                logger.warning("zenflow_triton: the host worker thread %s; it is left to end on its own (a daemon "
+                               "thread: nothing it computes is applied, and it does not keep the process alive)",
+                               "is hung in a job that overran worker_timeout" if hung
+                               else f"did not stop within {timeout:g} s")

@@ -1,0 +1,54 @@
+"""Changing the knobs of a running optimizer (DESIGN §4): what a checkpoint's knobs change when it loads, and
+:meth:`ZenFlowAdamW.set_knobs`, which changes them afterwards.
+
+A checkpoint's knobs win over the constructor's, as a torch state_dict's group values win over the constructor's
+(the run continues as it was saved, bit for bit); the load says in one line which knobs it changed. ``set_knobs``
+is the way to run a resumed run with other knobs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .config import DEFAULT_SELECT_WINDOWS, ZenFlowConfig
+
+__all__ = ["SCHEDULE_KNOBS", "describe_changes", "retuned"]
+
+# The knobs a checkpoint carries that shape the schedule (cpu_threads stays this machine's: it changes no result).
+SCHEDULE_KNOBS = ("topk_ratio", "update_interval", "select_interval")
+
+
+def describe_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """``"topk_ratio 0.5 -> 0.1, update_interval 8 -> 4"`` for the schedule knobs that differ ("" if none)."""
+    return ", ".join(f"{k} {_fmt(before.get(k))} -> {_fmt(after.get(k))}" for k in SCHEDULE_KNOBS
+                     if before.get(k) != after.get(k))
+
+
+def _fmt(v: Any) -> str:
+    return "auto" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def retuned(resolved: ZenFlowConfig, *, topk_ratio: float | None = None, update_interval: int | None = None,
+            select_interval: int | None = None) -> ZenFlowConfig:
+    """``resolved`` (concrete knobs) with the given ones changed, validated as the constructor validates them.
+    Without ``select_interval``, S follows a new U where it was the default (8 windows), and otherwise stays, if it
+    is a multiple of the new U."""
+    u_old, s_old = resolved.update_interval, resolved.select_interval
+    u = u_old if update_interval is None else update_interval
+    if select_interval is not None:
+        s = select_interval
+    elif s_old == DEFAULT_SELECT_WINDOWS * u_old and isinstance(u, int) and not isinstance(u, bool):
+        s = DEFAULT_SELECT_WINDOWS * u
+    else:
+        s = s_old
+    changes: dict[str, Any] = {"update_interval": u, "select_interval": s}
+    if topk_ratio is not None:
+        changes["topk_ratio"] = float(topk_ratio) if _real(topk_ratio) else topk_ratio
+    for name, value in changes.items():
+        if value == "auto":
+            raise ValueError(f"Invalid {name}: 'auto' (set_knobs takes concrete values)")
+    return resolved.replace(**changes)  # ZenFlowConfig's checks: "Invalid update_interval: 0 ..."
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or type(x).__module__ == "numpy"
