@@ -58,6 +58,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
+        accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
+            (each step's gradient copied to the host and summed there; no device acc), or "auto".
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -87,6 +89,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: str = "auto",
         grad_dtype: str = "float32",
         worker_timeout: float = 600.0,
+        accumulate: str = "auto",
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
@@ -94,6 +97,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
+            accumulate=accumulate,
         )
         self._device: torch.device | None = None
         self._knobs = Knobs(self.config)
@@ -262,7 +266,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, Any]:
         """Telemetry since construction (DESIGN §7); time in seconds, sizes in bytes."""
-        return {**self._pipeline.report(), **self._knobs.state_dict(), **self._knobs.report(self._stats)}
+        return {**self._pipeline.report(self.state), **self._knobs.state_dict(), **self._knobs.report(self._stats)}
 
     # ------------------------------------------------------------------ the step
 
@@ -381,6 +385,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._stats.record_selection(picks, measured=scores)
         windows: dict[torch.Tensor, Window] = {}
         calls: list[FusedStepArgs] = []
+        landed: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # accumulate="host": gradients for the host sum
         stepped: set[torch.Tensor] = set()
         for hp, p in offloaded:
             st, rec = self.state[p], records[p]
@@ -405,15 +410,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 continue
             if tau >= 1 and rec.masks.num_unselected < rec.cols:
                 st["col_step"].add_(rec.masks.selected)
-            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns, the rest summed into acc.
+            # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns, the rest summed into acc (with
+            # accumulate="host", step 4 is the host's: the gradient lands there after the kernels).
+            acc, accumulate, alone = pipeline.step_sum(p, st, g2)
             calls.append(FusedStepArgs(
                 param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
-                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=st["acc"], hp=hp,
-                accumulate=st["acc_count"] > 0, update_score=update_score,
+                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
+                accumulate=accumulate, update_score=update_score,
             ))
+            if alone:
+                ops.fused_steps_(calls)
+                calls = []
+            if pipeline.host_sums:
+                landed.append((p, g2, st["acc_count"] > 0))
             st["acc_count"] += 1
         if calls:
             ops.fused_steps_(calls)
+        if landed:
+            pipeline.land(landed, self.state, cpu_threads=cfg.cpu_threads)
         if not selecting:
             add_summed_scores_(shared)
         if window_end:

@@ -117,6 +117,42 @@ def compile_host_kernels() -> float:
     return time.perf_counter() - start
 
 
+@dataclass
+class AddItem:
+    """accumulate="host": one parameter's share of one step's add job, ``dst (+)= src`` (``accumulate``)."""
+
+    dst: torch.Tensor  # the open window's fp32 sum (host)
+    src: torch.Tensor  # this step's landed gradient (host)
+    accumulate: bool
+
+
+def run_add_job(items: list[AddItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
+    """The adder's body for one step (accumulate="host"): each landed gradient into its window sum."""
+    from .kernels.host_accumulate import host_accumulate_
+
+    start = time.perf_counter()
+    if ready is not None:
+        ready.synchronize()  # the landing slots are filled by an asynchronous device-to-host copy
+    for it in items:
+        host_accumulate_(it.dst, it.src, accumulate=it.accumulate, num_threads=num_threads)
+    return time.perf_counter() - start
+
+
+def compile_accumulate_kernel() -> None:
+    """The adder's first job: load the add kernel (numba compiles it on a machine's first use)."""
+    from .kernels.host_accumulate import host_accumulate_
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        host_accumulate_(torch.zeros(1), torch.zeros(1, dtype=dtype), accumulate=True, num_threads=1)
+
+
+def run_host_job_after(after: Future, items: list[HostItem], num_threads: int) -> float:
+    """accumulate="host": :func:`run_host_job` once ``after``, the adder's last job, has completed the window
+    sums it reads (an exception there fails this job too, and surfaces at the next ``step()``)."""
+    after.result()
+    return run_host_job(items, None, num_threads)
+
+
 def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
     """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent."""
     # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
@@ -172,6 +208,18 @@ class Pipeline:
         self.worker = HostWorker()
         # The worker stops when the optimizer is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.worker.close)
+        # accumulate="host" (DESIGN §4, §5): "device" or "host" once the parameters' device is known (None before),
+        # why, and the adder: a second thread that adds each step's landed gradients into the host window sums, so
+        # that a window's AdamW job (on the worker) never holds up the next window's adds. Its jobs per landing
+        # slot (two slots, alternating by step), and the last one.
+        self.accumulate: str | None = None
+        self.accumulate_reason = ""
+        self._adder: HostWorker | None = None
+        self._adder_finalizer: Any = None
+        self._adds: list[Future | None] = [None, None]
+        self._add_slot = 0
+        self._last_add: Future | None = None
+        self._scratch: torch.Tensor | None = None  # see step_sum
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,6 +256,11 @@ class Pipeline:
             exc = job.exception()
             self.failure = exc
             raise RuntimeError("the host worker failed during an earlier window") from exc
+        add = self._last_add
+        if add is not None and add.done() and add.exception() is not None:
+            self._last_add = None
+            self.failure = add.exception()
+            raise RuntimeError("the host adder failed during an earlier step") from self.failure
 
     def close(self, state: State) -> None:
         """Apply host work still in flight (unless the worker failed), stop the worker, and release everything
@@ -218,10 +271,16 @@ class Pipeline:
         try:
             if self.failure is None:
                 self.wait(state, merge=True)
+                self._wait_adds()
         finally:
             self.closed = True
             self.worker.close()
             self._finalizer.detach()
+            if self._adder is not None:
+                self._adder.close()
+                self._adder_finalizer.detach()
+                self._adder = None
+            self._adds, self._last_add, self._scratch = [None, None], None, None
             if self._device is not None:
                 # Queued copies read and write slab pages (copy stream) and merges read staging (compute stream):
                 # the pages may be unregistered and unmapped only once no queued work can touch them. Every stream
@@ -236,7 +295,24 @@ class Pipeline:
             self._copy_stream = None
             self._job = None
 
-    def report(self) -> dict[str, Any]:
+    def device_bytes(self, state: State) -> int:
+        """Bytes this optimizer holds on the device for its offloaded parameters, beyond the weights and their
+        ``.grad``: the device state entries (``acc`` unless accumulate="host", the compact selected state, the
+        per-column vectors) and the pipeline's buffers (staging, bf16 rounding, scratch, score deltas)."""
+        total = 0
+        for p, rec in self.records.items():
+            st = state.get(p, {})
+            for key in DEVICE_KEYS:
+                t = st.get(key)
+                if key not in rec.host and isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+            if rec._score_delta is not None:
+                total += rec._score_delta.numel() * 4
+        buffers = [entry[0] for ring in self._staging.values() for entry in ring]
+        buffers += [self._bf16_landing, self._scratch]
+        return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
+
+    def report(self, state: State | None = None) -> dict[str, Any]:
         """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
         parameter's rows here); ``offloaded_params`` counts whole parameters."""
         s, records, slabs = self.stats, self.records, self.slabs
@@ -262,6 +338,10 @@ class Pipeline:
             "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
             "offloaded_params": sum(p.numel() for p in records),
             "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
+            "accumulate": self.accumulate,
+            "accumulate_reason": self.accumulate_reason,
+            "device_bytes_per_param": (self.device_bytes(state) / local_numel if state is not None and local_numel
+                                       else 0.0),
         }
 
     # ------------------------------------------------------------------ host state
@@ -302,11 +382,136 @@ class Pipeline:
             # The worker's jobs wait on CUDA events: on the parameters' device, not on a context of device 0.
             self.worker.use_device(device)
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
+        if self.accumulate is None:
+            # Decided once, before any device buffer exists (acc is allocated by init/load after this).
+            self.accumulate, self.accumulate_reason = self._place_sums(params)
+            if self.accumulate == "host":
+                self._adder = HostWorker(name="zenflow-add")
+                self._adder_finalizer = weakref.finalize(self, self._adder.close)
+                if device.type == "cuda":
+                    self._adder.use_device(device)
+                # Load (or compile, on a machine's first run) the add kernel while the first steps run; the adder
+                # runs jobs in order, so the first add waits for it.
+                self._adder.submit(compile_accumulate_kernel)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
+            slab, records = allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
+                                     host_sums=self.accumulate == "host")
         self.slabs.append(slab)
         self.records.update(records)
         return records
+
+    def _place_sums(self, params: Sequence[torch.Tensor]) -> tuple[str, str]:
+        """Where the window sums live ("device" or "host") and why (``config.accumulate``; "auto": see
+        :func:`zenflow_triton.autotune.placement.place_accumulation`)."""
+        choice = self.config.accumulate
+        if choice != "auto":
+            return choice, f"accumulate={choice!r} was given"
+        if params[0].device.type != "cuda":
+            return "device", "CPU tensors: device and host memory are one, so there is no device memory to save"
+        return "device", "accumulate='auto' on CUDA: the window sum stays on the device"
+
+    @property
+    def host_sums(self) -> bool:
+        """accumulate="host": each step's gradient goes to the host (:meth:`land`), there is no device ``acc``."""
+        return self.accumulate == "host"
+
+    def step_sum(self, p: torch.Tensor, st: dict[str, Any], grad: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        """What the fused step writes its unselected columns into, for this step of ``p``: ``(acc, accumulate,
+        alone)``. On the device path, ``state["acc"]``, added into after a window's first step. With
+        accumulate="host" the kernel has no sum to keep: an fp32 gradient is its own target (``acc = g`` writes
+        every unselected element back unchanged); any other dtype writes into one scratch buffer the size of the
+        largest parameter, which nothing reads, launched ``alone`` so that no two launches share it at once."""
+        if not self.host_sums:
+            return st["acc"], st["acc_count"] > 0, False
+        if grad.dtype == torch.float32:
+            return grad, False, False
+        numel = grad.numel()
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = None  # freed first: the allocator may reuse it, in stream order
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=grad.device)
+        return self._scratch[:numel].view(grad.shape), False, True
+
+    def land(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], state: State, *,
+             cpu_threads: int) -> None:
+        """accumulate="host", after this step's fused kernels: copy each ``(p, grad, accumulate)``'s gradient into
+        the next landing slot (device-to-host on the copy stream; a plain copy on CPU tensors) and submit the add
+        into its window sum to the adder. Waits (stall) only when the slot's previous add, two steps ago, still
+        reads it."""
+        slot = self._add_slot
+        self._add_slot ^= 1
+        previous = self._adds[slot]
+        if previous is not None:
+            self._wait_job(previous, self._adder, stall=True)
+            self._adds[slot] = None
+        device = landed[0][0].device
+        ready = None
+        if device.type == "cuda":
+            ready = self._land_on_copy_stream(landed, slot)
+        else:
+            # The training thread copies: the gradient may change (zero_grad, the next backward) before the adder
+            # runs, and a copy here costs one read and one write, like the device-to-host copy it stands for.
+            for p, grad, _ in landed:
+                self.records[p].slots[slot].view(grad.shape).copy_(grad)
+        items = []
+        for p, _, accumulate in landed:
+            rec = self.records[p]
+            dst = state[p]["acc"]
+            items.append(AddItem(dst=dst, src=rec.slots[slot], accumulate=accumulate))
+            self.stats.d2h_bytes += rec.slots[slot].numel() * rec.slots[slot].element_size()
+        try:
+            future = self._adder.submit(run_add_job, items, ready, cpu_threads)
+        except WorkerError as exc:
+            self.failure = exc
+            raise
+        self._adds[slot] = self._last_add = future
+
+    def _land_on_copy_stream(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]],
+                             slot: int) -> torch.cuda.Event:
+        """CUDA, accumulate="host": this step's gradients to landing slot ``slot`` on the copy stream, after the
+        compute stream's fused kernels (with grad_dtype="bfloat16", each rounded first into one reused buffer, as
+        in _ship_sums). The event marks their end."""
+        device = landed[0][0].device
+        compute = torch.cuda.current_stream(device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        copy = self._copy_stream
+        copy.wait_stream(compute)
+        with torch.cuda.stream(copy):
+            if self.test_delays.get("d2h"):
+                torch.cuda._sleep(self.test_delays["d2h"])
+            for p, grad, _ in landed:
+                dst = self.records[p].slots[slot]
+                src = grad
+                if dst.dtype != grad.dtype:  # grad_dtype="bfloat16": this step's gradient rounded to bf16
+                    numel = grad.numel()
+                    if self._bf16_landing is None or self._bf16_landing.numel() < numel:
+                        self._bf16_landing = None
+                        self._bf16_landing = torch.empty(numel, dtype=torch.bfloat16, device=device)
+                    src = self._bf16_landing[:numel].view(grad.shape)
+                    src.copy_(grad)
+                dst.view(grad.shape).copy_(src, non_blocking=True)
+                # The gradient is read on this stream: if the model frees it (zero_grad), its memory must not be
+                # handed out again before this stream is past the read.
+                grad.record_stream(copy)
+            ready = torch.cuda.Event(blocking=True)
+            ready.record(copy)
+        return ready
+
+    def _wait_adds(self) -> None:
+        """accumulate="host": wait for every add submitted so far (the adder runs its jobs in order)."""
+        last = self._last_add
+        if last is not None:
+            self._wait_job(last, self._adder, stall=True)
+            self._last_add = None
+            self._adds = [None, None]
+
+    def _wait_job(self, job: Future, worker: HostWorker, *, stall: bool) -> None:
+        start = time.perf_counter()
+        try:
+            self._wait_for(job, worker)
+        finally:
+            if stall:
+                self.stats.stall_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ the schedule's calls
 
@@ -319,6 +524,7 @@ class Pipeline:
         for p, rec in self.records.items():
             st = state[p]
             data = local(p)
+            on_host = rec.host
             if rec.master_is_param and rec.host["host_master"].data_ptr() != data.data_ptr():
                 # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
                 # plain torch optimizer would read them, instead of updates landing in memory the model let go.
@@ -327,7 +533,7 @@ class Pipeline:
                 if st[key] is not home:
                     st[key] = home
             for key in DEVICE_KEYS:
-                if st[key].device != p.device:
+                if key not in on_host and st[key].device != p.device:
                     st[key] = st[key].to(p.device)
 
     def begin_step(self, p: torch.Tensor, st: dict[str, Any]) -> None:
@@ -354,7 +560,7 @@ class Pipeline:
         with ``sync``, wait for it and apply it too)."""
         self.wait(state, merge=True)
         device = windows[0].param.device
-        ready = self._ship_sums(windows, state) if device.type == "cuda" else None
+        ready = self._ship_sums(windows, state) if device.type == "cuda" and not self.host_sums else None
         items = [self._host_item(w, state[w.param], ready) for w in windows]
         self.stats.windows += 1
         # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
@@ -362,7 +568,10 @@ class Pipeline:
         if sync and self.config.cpu_threads is None:
             threads = max(threads, host_thread_share())
         try:
-            future = self.worker.submit(run_host_job, items, ready, threads)
+            if self._last_add is not None:
+                future = self.worker.submit(run_host_job_after, self._last_add, items, threads)
+            else:
+                future = self.worker.submit(run_host_job, items, ready, threads)
         except WorkerError as exc:
             self.failure = exc
             raise
@@ -433,6 +642,11 @@ class Pipeline:
             grad, count = w.grad, 1
             # The kernel writes the parameter: through the master itself, or as the snapshot it rounds into.
             snapshot = None if rec.master_is_param else local(p).detach().view(rec.rows, rec.cols)
+        elif rec.sums is not None:
+            # accumulate="host": the window's sum is already on the host (the job waits for the adder); nothing
+            # ships, and the next window sums into the other buffer.
+            grad, count = st["acc"], st["acc_count"]
+            rec.flip_sum(st)
         elif ready is not None:
             grad, count = rec.landing, st["acc_count"]
             rec.d2h_done = ready
@@ -444,7 +658,8 @@ class Pipeline:
         else:
             rec.landing.copy_(st["acc"])
             grad, count = rec.landing, st["acc_count"]
-        self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        if rec.sums is None:  # accumulate="host" counts its copies per step (land)
+            self.stats.d2h_bytes += grad.numel() * grad.element_size()
         st["acc_count"] = 0
         # A result written straight into the parameter needs no merge.
         st["pending"] = not (w.grad is not None or rec.master_is_param)
@@ -459,7 +674,7 @@ class Pipeline:
         if job is not None:
             start = time.perf_counter()
             try:
-                seconds = self._wait_for(job)
+                seconds = self._wait_for(job, self.worker)
             finally:
                 waited = time.perf_counter() - start
                 if self._job_compiles:
@@ -474,6 +689,10 @@ class Pipeline:
                                    "machine; later runs load them from numba's cache)", seconds)
             else:
                 self.stats.host_job_s += seconds
+        if not merge:
+            # A checkpoint's wait (state_dict, load_state_dict): with accumulate="host" the window sum it saves or
+            # replaces must be complete.
+            self._wait_adds()
         if merge:
             with torch.no_grad():
                 for p, rec in self.records.items():
@@ -481,13 +700,13 @@ class Pipeline:
                     if st.get("pending"):
                         self._merge(p, st, rec)
 
-    def _wait_for(self, job: Future) -> float:
+    def _wait_for(self, job: Future, worker: HostWorker) -> float:
         """The job's result. A failure of the job or the worker stops the optimizer; a KeyboardInterrupt or
         SystemExit in this (the waiting) thread is held (see :meth:`deferred_interrupts`) while the wait goes on,
         and a second one propagates with the job still in flight, so a later call waits for it again."""
         while True:
             try:
-                return self.worker.wait(job, self.config.worker_timeout)
+                return worker.wait(job, self.config.worker_timeout)
             except WorkerError as exc:
                 self.failure, self._job = exc, None
                 raise
