@@ -26,6 +26,7 @@ from . import checkpoint
 from .auto import AUTO_WARMUP_STEPS, Knobs
 from .columns import reselect_many_
 from .config import ZenFlowConfig
+from .gradients import GradientClipper
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
 from .params import check_grad, check_group, check_param, offloads, warn_if_kept_resident
 from .pipeline import Pipeline, Stats, Window
@@ -60,6 +61,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
         accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
             (each step's gradient copied to the host and summed there; no device acc), or "auto".
+        max_grad_norm: clip gradients at each step() to this total norm, exactly as
+            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before ``step()`` would; None: no clipping.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -90,6 +93,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         grad_dtype: str = "float32",
         worker_timeout: float = 600.0,
         accumulate: str = "auto",
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
@@ -97,13 +101,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
-            accumulate=accumulate,
+            accumulate=accumulate, max_grad_norm=max_grad_norm,
         )
         self._device: torch.device | None = None
         self._knobs = Knobs(self.config)
         self._stats = Stats()
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
+        self._gradients = GradientClipper(self.config.max_grad_norm)
         super().__init__(params, defaults)
         if self._device is not None:
             # Fail here, not at the first step(), when the backend cannot run on the parameters' device.
@@ -141,6 +146,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             resident, offloaded = self._prepare_step()
             if not offloaded and not any(ps for _, ps in resident):
                 return loss  # no gradient at all: nothing happens, as in torch (and the schedule does not advance)
+            self._gradients.clip_(self.param_groups)  # max_grad_norm: before anything reads a gradient
             self._schedule.step += 1
             self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
             self._resident_step(resident)
@@ -266,7 +272,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, Any]:
         """Telemetry since construction (DESIGN §7); time in seconds, sizes in bytes."""
-        return {**self._pipeline.report(self.state), **self._knobs.state_dict(), **self._knobs.report(self._stats)}
+        return {**self._pipeline.report(self.state), **self._knobs.state_dict(), **self._knobs.report(self._stats),
+                **self._gradients.report()}
 
     # ------------------------------------------------------------------ the step
 
