@@ -167,8 +167,9 @@ def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        # Step boundaries: the device must have finished this step's kernels before the clock is read.
-        torch.cuda.synchronize(device)
+        # Step boundaries: the compute stream must have finished this step's kernels before the clock is read (not
+        # the whole device: ZenFlow's copy streams overlap the next step by design, and a training loop never waits).
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _pinned_allocator_bytes() -> int | None:

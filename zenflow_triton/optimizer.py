@@ -158,6 +158,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._stats.device_opt_s += now - entered - (self._stats.stall_s - stall_before)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place first orders the compute stream after any copy
+        still reading a gradient (accumulate="host" on CUDA copies each step's gradient asynchronously)."""
+        if not set_to_none:
+            self._pipeline.release_gradients()
+        super().zero_grad(set_to_none)
+
     def state_dict(self) -> dict[str, Any]:
         """Like ``torch.optim.Optimizer.state_dict`` (its hooks run as there): waits for host work but never changes
         the parameters, so a run resumed from it continues bit for bit.

@@ -2,7 +2,7 @@
 AdamW result back in the parameter.
 
 One :class:`Pipeline` per optimizer owns the host worker thread, the host slabs and each offloaded parameter's
-record (landing buffer, snapshot, masks), the copy stream and its events, the device staging buffers, and the
+record (landing buffer, snapshot, masks), the copy streams and their events, the device staging buffers, and the
 one host job in flight. The optimizer's schedule calls it at four points: :meth:`Pipeline.begin_step` before a
 parameter's step, :meth:`Pipeline.takes_gradient` at a one-step window, :meth:`Pipeline.end_windows` at a window
 end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``).
@@ -146,23 +146,27 @@ def compile_accumulate_kernel() -> None:
         host_accumulate_(torch.zeros(1), torch.zeros(1, dtype=dtype), accumulate=True, num_threads=1)
 
 
-def run_host_job_after(after: Future, items: list[HostItem], num_threads: int) -> float:
+def run_host_job_after(after: Future, items: list[HostItem], ready: Sequence[torch.cuda.Event],
+                       num_threads: int) -> float:
     """accumulate="host": :func:`run_host_job` once ``after``, the adder's last job, has completed the window
     sums it reads (an exception there fails this job too, and surfaces at the next ``step()``)."""
     after.result()
-    return run_host_job(items, None, num_threads)
+    return run_host_job(items, ready, num_threads)
 
 
-def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
-    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent."""
+def run_host_job(items: list[HostItem], ready: Sequence[torch.cuda.Event], num_threads: int) -> float:
+    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent.
+    ``ready``: CUDA events to wait for first (the window sums' device-to-host copies, and the last merge's
+    host-to-device copies, which read the host arrays this job writes)."""
     # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
     from .kernels.cpu_adamw import host_adamw_
 
     start = time.perf_counter()
-    if ready is not None:
-        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them
-        # before it completes would see the previous window's bytes.
-        ready.synchronize()
+    for event in ready:
+        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them before it
+        # completes would see the previous window's bytes. And the snapshot (or master) this job writes is the
+        # source of the last merge's host-to-device copies, which must have read it first.
+        event.synchronize()
     for it in items:
         # Each column's bias correction counts its own updates: one more for every column updated here.
         it.col_step.add_(it.unselected)
@@ -172,7 +176,7 @@ def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_thre
 
 
 class Pipeline:
-    """The host side of one optimizer: worker, slabs, records, copy stream, staging and the job in flight.
+    """The host side of one optimizer: worker, slabs, records, copy streams, staging and the job in flight.
 
     ``config`` is the user's (``overlap``, ``grad_dtype``, ``backend``, ``cpu_threads``, ``worker_timeout`` are
     read); ``stats`` the optimizer's counters. State dicts are passed in by each call (the optimizer's ``state``).
@@ -194,7 +198,16 @@ class Pipeline:
         # CUDA only, grad_dtype="bfloat16": the one device buffer every window sum is rounded into before its copy
         # to the host (see _ship_sums).
         self._bf16_landing: torch.Tensor | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
+        # CUDA only: device-to-host copies (window sums, accumulate="host"'s per-step gradients) and host-to-device
+        # copies (the merge's) on streams of their own, so that the link carries both directions at once; events
+        # order them wherever they share a buffer. And whether a merge copy was queued since the last host job.
+        self._d2h_stream: torch.cuda.Stream | None = None
+        self._h2d_stream: torch.cuda.Stream | None = None
+        self._h2d_queued = False
+        # CUDA, accumulate="host": the event after the last per-step gradient copy. The model may reuse a gradient's
+        # memory in place (zero_grad(set_to_none=False), then backward), on the compute stream, which must wait for
+        # that copy first (release_gradients).
+        self._grads_read: torch.cuda.Event | None = None
         self._device: torch.device | None = None  # the CUDA device of the parameters, once known
         # Tests only (tests/test_gpu_stress.py): torch.cuda._sleep cycles injected on the copy stream before the
         # window's device-to-host copies ("d2h") and before each merge copy ("h2d"), and on the compute stream
@@ -292,7 +305,7 @@ class Pipeline:
             self.records.clear()
             self._staging.clear()
             self._bf16_landing = None
-            self._copy_stream = None
+            self._d2h_stream = self._h2d_stream = self._grads_read = None
             self._job = None
 
     def device_bytes(self, state: State) -> int:
@@ -401,14 +414,10 @@ class Pipeline:
         return records
 
     def _place_sums(self, params: Sequence[torch.Tensor]) -> tuple[str, str]:
-        """Where the window sums live ("device" or "host") and why (``config.accumulate``; "auto": see
-        :func:`zenflow_triton.autotune.placement.place_accumulation`)."""
-        choice = self.config.accumulate
-        if choice != "auto":
-            return choice, f"accumulate={choice!r} was given"
-        if params[0].device.type != "cuda":
-            return "device", "CPU tensors: device and host memory are one, so there is no device memory to save"
-        return "device", "accumulate='auto' on CUDA: the window sum stays on the device"
+        """Where the window sums live ("device" or "host") and why (:func:`zenflow_triton.auto.place_sums`)."""
+        from .auto import place_sums
+
+        return place_sums(params, self.config)
 
     @property
     def host_sums(self) -> bool:
@@ -472,9 +481,7 @@ class Pipeline:
         in _ship_sums). The event marks their end."""
         device = landed[0][0].device
         compute = torch.cuda.current_stream(device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=device)
-        copy = self._copy_stream
+        copy = self._d2h(device)
         copy.wait_stream(compute)
         with torch.cuda.stream(copy):
             if self.test_delays.get("d2h"):
@@ -495,7 +502,36 @@ class Pipeline:
                 grad.record_stream(copy)
             ready = torch.cuda.Event(blocking=True)
             ready.record(copy)
+        self._grads_read = ready
         return ready
+
+    def release_gradients(self) -> None:
+        """Before gradients are changed in place (``zero_grad(set_to_none=False)``): with accumulate="host" on CUDA,
+        the compute stream waits for the last per-step copy that reads them. A gradient set to None needs nothing
+        (the copy stream holds its memory: record_stream)."""
+        event, self._grads_read = self._grads_read, None
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    def _d2h(self, device: torch.device) -> torch.cuda.Stream:
+        if self._d2h_stream is None:
+            self._d2h_stream = torch.cuda.Stream(device=device)
+        return self._d2h_stream
+
+    def _h2d(self, device: torch.device) -> torch.cuda.Stream:
+        if self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(device=device)
+        return self._h2d_stream
+
+    def _merges_read(self, device: torch.device) -> tuple[torch.cuda.Event, ...]:
+        """An event after every merge copy queued since the last host job (none when none was): the next job writes
+        the host arrays those copies read."""
+        if not self._h2d_queued:
+            return ()
+        self._h2d_queued = False
+        event = torch.cuda.Event(blocking=True)
+        event.record(self._h2d(device))
+        return (event,)
 
     def _wait_adds(self) -> None:
         """accumulate="host": wait for every add submitted so far (the adder runs its jobs in order)."""
@@ -562,6 +598,7 @@ class Pipeline:
         device = windows[0].param.device
         ready = self._ship_sums(windows, state) if device.type == "cuda" and not self.host_sums else None
         items = [self._host_item(w, state[w.param], ready) for w in windows]
+        events = ((ready,) if ready is not None else ()) + (self._merges_read(device) if device.type == "cuda" else ())
         self.stats.windows += 1
         # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
         threads = cpu_threads
@@ -569,9 +606,9 @@ class Pipeline:
             threads = max(threads, host_thread_share())
         try:
             if self._last_add is not None:
-                future = self.worker.submit(run_host_job_after, self._last_add, items, threads)
+                future = self.worker.submit(run_host_job_after, self._last_add, items, events, threads)
             else:
-                future = self.worker.submit(run_host_job, items, ready, threads)
+                future = self.worker.submit(run_host_job, items, events, threads)
         except WorkerError as exc:
             self.failure = exc
             raise
@@ -599,9 +636,7 @@ class Pipeline:
         """Start the device-to-host copies of the windows' sums on the copy stream; the event marks their end."""
         device = windows[0].param.device
         compute = torch.cuda.current_stream(device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=device)
-        copy = self._copy_stream
+        copy = self._d2h(device)
         rounds = self.config.grad_dtype == "bfloat16"
         # The copies may start only after this step's fused kernels finished writing acc.
         copy.wait_stream(compute)
@@ -725,10 +760,8 @@ class Pipeline:
         if p.device.type == "cuda":
             numel = source.numel()
             compute = torch.cuda.current_stream(p.device)
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=p.device)
-            copy = self._copy_stream
-            # The host-to-device copy runs on the copy stream, so the compute stream is not blocked by it (the kernels
+            copy = self._h2d(p.device)
+            # The host-to-device copy runs on its own stream, so the compute stream is not blocked by it (the kernels
             # queued before the merge keep running while it crosses PCIe); the compute stream waits for it only just
             # before the merge kernel. Buffers rotate through a ring of two.
             ring = self._staging.setdefault(p.dtype, [])
@@ -739,7 +772,13 @@ class Pipeline:
             if entry[0] is None or entry[0].numel() < numel:
                 # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose
                 # last use of it (the merge kernel) came after the copy stream's last write (see `filled` below).
+                entry[0] = None
                 entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
+                # New memory, from the compute stream's pool: kernels queued on that stream before now may still read
+                # or write it (activations freed since). Its `free` event, which the copy below waits on, must then
+                # mark this point of the compute stream (for a new entry it was never recorded, and a wait on it
+                # did nothing: the copy could land while a queued kernel still used the memory).
+                entry[2].record(compute)
             buffer, filled, free = entry
             view = buffer[:numel].view(rec.rows, rec.cols)
             with torch.cuda.stream(copy):
@@ -749,9 +788,10 @@ class Pipeline:
                     torch.cuda._sleep(self.test_delays["h2d"])
                 view.copy_(source, non_blocking=True)
                 filled.record(copy)
+            self._h2d_queued = True
             # The merge reads the buffer only once the copy has landed. The host source stays intact until then: the
-            # next host job writes it only after its `ready` event, which _ship_sums records later on this same copy
-            # stream (and a selection step's migration first synchronizes the compute stream, which waits here).
+            # next host job first waits for an event recorded after this copy on this stream (_merges_read), and a
+            # selection step's migration first synchronizes the compute stream, which waits here.
             compute.wait_event(filled)
             if self.test_delays.get("merge"):
                 torch.cuda._sleep(self.test_delays["merge"])
