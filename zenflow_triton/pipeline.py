@@ -5,7 +5,9 @@ One :class:`Pipeline` per optimizer owns the host worker thread, the host slabs 
 record (landing buffer, snapshot, masks), the copy streams and their events, the device staging buffers, and the
 one host job in flight. The optimizer's schedule calls it at four points: :meth:`Pipeline.begin_step` before a
 parameter's step, :meth:`Pipeline.takes_gradient` at a one-step window, :meth:`Pipeline.end_windows` at a window
-end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``).
+end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``);
+with accumulate="host" also :meth:`Pipeline.land` after every step's fused kernels (each gradient to the host, where
+the adder thread sums it).
 
 On CPU tensors (no GPU) "device" and host memory are one, and three copies are skipped behind this interface:
 a one-step window that ``step()`` waits for reads the gradient where it is and writes the parameter directly

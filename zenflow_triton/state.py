@@ -7,7 +7,8 @@ An offloaded parameter ``[R, C]`` keeps in ``optimizer.state[p]``:
   ``host_col_step`` (int32 ``[C]``);
 - device: ``score`` (fp32 ``[C]``), ``slot`` (int32 ``[C]``, -1 = unselected), ``col_step`` (int32 ``[C]``),
   the compact ``master``/``exp_avg``/``exp_avg_sq`` of the k selected columns (fp32 ``[R, k]``), ``acc`` (fp32
-  ``[R, C]``, the unselected columns' gradient sum of the open window);
+  ``[R, C]``, the unselected columns' gradient sum of the open window; with accumulate="host" a host slab view
+  instead, one of the record's two ``sums``);
 - counters: ``step``, ``acc_count`` (gradients in ``acc``), ``pending`` (a host result still to be merged into the
   parameter).
 
