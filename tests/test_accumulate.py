@@ -224,3 +224,40 @@ def test_deepcopy_and_pickle_keep_the_mode_mid_window() -> None:
     for _, o in runs[1:]:
         o.close()
     opt.close()
+
+
+def test_a_slow_adder_is_waited_for_as_stall_and_changes_nothing(monkeypatch) -> None:
+    """step() waits only for a landing slot whose add (two steps ago) still reads it, and counts the wait as stall;
+    the results stay bit for bit those of accumulate="device"."""
+    import time
+
+    import zenflow_triton.pipeline as zpipe
+
+    models, opts = _pair(torch.float32, "numba", True)
+    steps = 7  # two warm-up steps (one-step windows read the gradient in place: no add), then five adds
+    want = []
+    for i in range(steps):
+        opts[0].zero_grad()
+        loss_fn(models[0], i).backward()
+        opts[0].step()
+        want.append([p.detach().clone() for p in models[0].parameters()])
+    real = zpipe.run_add_job
+    delay = 0.6  # several times a step of this model (~0.1 s here)
+
+    def slow(items, ready, num_threads):
+        time.sleep(delay)
+        return real(items, ready, num_threads)
+
+    monkeypatch.setattr(zpipe, "run_add_job", slow)
+    for i in range(steps):
+        opts[1].zero_grad()
+        loss_fn(models[1], i).backward()
+        opts[1].step()
+        for a, b in zip(want[i], models[1].parameters()):
+            assert torch.equal(a, b), f"step {i + 1}"
+    # The third and later adds each find their slot's add of two steps before still running: step() waits for
+    # most of each delay (a quarter of it is plenty of margin for a slow step).
+    stall = opts[1].stats()["stall_s"]
+    assert stall >= 0.25 * delay * (steps - 2 - 2), stall
+    for o in opts:
+        o.close()
