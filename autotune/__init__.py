@@ -10,6 +10,7 @@ The modules, each importing only those listed before it:
   as data (:class:`QualityTable`); users can pass their own;
 - :mod:`.model`: the pure cost model and chooser (:func:`plan`, :func:`predict`, :func:`stall_grid`), which weighs
   the predicted step time against the quality table's loss ratio;
+- :mod:`.placement`: where ``accumulate="auto"`` keeps the window sum (:func:`place_accumulation`, pure);
 - :mod:`.probes`: touches hardware and returns a :class:`Profile` (:func:`probe_machine`);
 - :mod:`.cache`: the profile as versioned JSON in a per-user, per-machine file;
 - :mod:`.bridge`: :func:`plan_for_optimizer`, what the optimizer's ``"auto"`` calls (profile lookup, memory

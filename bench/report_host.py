@@ -2,6 +2,7 @@
 
     python bench/report_host.py [--rounds 15] [--numel 67108864] [--threads 2] [--names "ceiling,torch fused"]
     python bench/report_host.py --tune   # the sweeps behind the tuning constants of kernels/cpu_adamw.py
+    python bench/report_host.py --accumulate   # accumulate="host"'s add kernel against the bandwidth ceiling
 
 Rounds are interleaved (round i runs every provider once, in a rotated order), so that load from other processes
 or a change of clock speed hits every provider alike; the table shows medians. Ratios: ``vs ceiling`` and
@@ -18,8 +19,8 @@ import time
 
 import numba
 import torch
-from common import bench_numel, bench_rounds, bench_threads, make_host_buffers, make_slot
-from providers import HOST_HP, HostAdamWProvider, host_adamw_providers
+from common import bench_numel, bench_rounds, bench_shape, bench_threads, make_host_buffers, make_slot
+from providers import BYTES_PER_PARAM, HOST_HP, HostAdamWProvider, ceiling_, host_adamw_providers
 
 from zenflow_triton.kernels import cpu_adamw
 
@@ -134,6 +135,40 @@ def tune(numel: int, threads: int, rounds: int) -> None:
             setattr(cpu_adamw, k, v)
 
 
+def accumulate_report(numel: int, threads: int, rounds: int) -> str:
+    """accumulate="host"'s per-step add (``host_accumulate_``: ``sum += g``, fp32 sum, fp32 or bf16 g) against the
+    memory-bandwidth ceiling, interleaved with it in one run: ``vs ceiling`` is the add's GB/s over the ceiling's
+    (AdamW's 4 reads and 3 writes per element); ``torch copy_`` is a second ceiling with the add's own mix of reads
+    and writes."""
+    from zenflow_triton.kernels.host_accumulate import host_accumulate_
+
+    numba.set_num_threads(threads)
+    rows, cols = bench_shape(numel)
+    n = rows * cols
+    c = make_host_buffers(rows, cols)
+    providers = {"ceiling": HostAdamWProvider("ceiling", lambda: ceiling_(c.master, c.exp_avg, c.exp_avg_sq, c.grad),
+                                              n, BYTES_PER_PARAM["ceiling"]),
+                 # A second ceiling with the add's own read/write mix: torch's threaded copy (read 4 B, write 4 B).
+                 "torch copy_ fp32": HostAdamWProvider("torch copy_ fp32", lambda: c.exp_avg.copy_(c.grad), n, 8)}
+    torch.set_num_threads(threads)
+    for label, dtype, nbytes in (("accumulate fp32", torch.float32, 12), ("accumulate bf16", torch.bfloat16, 10)):
+        b = make_host_buffers(rows, cols, grad_dtype=dtype, seed=4)
+
+        def step(b=b) -> None:
+            host_accumulate_(b.exp_avg, b.grad, accumulate=True, num_threads=threads)
+
+        providers[label] = HostAdamWProvider(label, step, n, nbytes)
+    times = measure(providers, rounds)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    gbps = {name: p.numel * p.bytes_per_param / med[name] / 1e9 for name, p in providers.items()}
+    lines = [f"numel {n}, threads {threads}, {rounds} interleaved rounds (medians)", "",
+             "| provider | bytes/param | ms | GB/s | vs ceiling (GB/s) |", "|---|---:|---:|---:|---:|"]
+    for name, p in providers.items():
+        lines.append(f"| {name} | {p.bytes_per_param} | {med[name] * 1e3:.2f} | {gbps[name]:.1f} | "
+                     f"{gbps[name] / gbps['ceiling']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: ZENFLOW_BENCH_ROUNDS or 9)")
@@ -142,12 +177,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--names", default=None, help="comma-separated provider names (default: all)")
     ap.add_argument("--patterns", default="random,block", help="selection patterns for 10%%/50%%: random,block")
     ap.add_argument("--tune", action="store_true", help="sweep the kernel's tuning constants instead")
+    ap.add_argument("--accumulate", action="store_true",
+                    help="time accumulate='host''s add kernel against the bandwidth ceiling instead")
     args = ap.parse_args(argv)
     numel = bench_numel() if args.numel is None else args.numel
     threads = bench_threads() if args.threads is None else args.threads
     rounds = bench_rounds() if args.rounds is None else args.rounds
     if args.tune:
         tune(numel, threads, rounds)
+        return
+    if args.accumulate:
+        print(accumulate_report(numel, threads, rounds))
         return
     names = None if args.names is None else tuple(n.strip() for n in args.names.split(","))
     providers = host_adamw_providers(numel, threads=threads, names=names, patterns=tuple(args.patterns.split(",")))

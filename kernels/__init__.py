@@ -11,6 +11,7 @@
 - ``colnorm``: Triton, per-column squared norms alone (selection steps).
 - ``merge``: Triton, write the host snapshot into unselected columns.
 - ``cpu_adamw``: numba, masked AdamW over host buffers with a model-dtype snapshot in the same pass.
+- ``host_accumulate``: numba, the host window sum of ``accumulate="host"`` (one step's gradient added in fp32).
 - private: ``_checks`` (tensor checks shared by every op), ``_triton_utils`` and ``_numba_utils`` (pieces shared
   by the Triton kernels, and by the two numba modules).
 

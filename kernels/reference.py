@@ -44,6 +44,7 @@ __all__ = [
     "fused_steps_",
     "merge_",
     "host_adamw_",
+    "host_accumulate_",
 ]
 
 
@@ -229,3 +230,12 @@ def host_adamw_(
     exp_avg_sq[:, cols] = v
     if snapshot is not None:
         snapshot[:, cols] = p.to(snapshot.dtype)
+
+
+def host_accumulate_(dst: torch.Tensor, src: torch.Tensor, *, accumulate: bool) -> None:
+    """The host window sum of ``accumulate="host"``: ``dst = src`` (a window's first step; a copy, so -0.0 stays
+    -0.0) or ``dst += src``, ``dst`` fp32, ``src`` fp32/bf16/fp16 widened exactly: ``fused_step_``'s ``acc``."""
+    if accumulate:
+        dst.add_(src)
+    else:
+        dst.copy_(src)

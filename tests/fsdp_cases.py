@@ -285,3 +285,20 @@ def readme_run(rank: int, world: int, port: int, out: str) -> None:
     code = code.replace("/tmp/zenflow_fsdp_ckpt", str(Path(out) / "readme_ckpt"))
     exec(compile(code, "README.md torchrun example", "exec"), {"__name__": "__main__"})
     os._exit(0)  # see finish(); the example destroyed its process group itself
+
+
+def host_accumulate_run(rank: int, world: int, port: int, out: str) -> None:
+    """accumulate="host" on FSDP2 shards (each rank sums its local rows on the host): the gathered parameters equal a
+    single process with accumulate="device", bit for bit, through warm-up, windows and reselections."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))
+    holder = sharded_holder(mesh)
+    opt = ZenFlowAdamW(holder.parameters(), **KNOBS, accumulate="host")
+    train(holder, opt, range(STEPS))
+    opt.flush()
+    assert opt.stats()["accumulate"] == "host"
+    assert_equal(gathered(holder), single_process(STEPS), f"{world} ranks (host) vs one process (device)")
+    opt.close()
+    finish()

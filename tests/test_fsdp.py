@@ -107,3 +107,9 @@ def test_shard1_placement_refused_by_name(tmp_path) -> None:
 def test_readme_torchrun_example_runs(tmp_path) -> None:
     run_world(fsdp_cases.readme_run, 2, tmp_path)
     assert (tmp_path / "readme_ckpt" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_host_accumulation_equals_one_process(tmp_path, world: int) -> None:
+    """accumulate="host" with sharded parameters (3 ranks: an empty shard) equals one process with "device"."""
+    run_world(fsdp_cases.host_accumulate_run, world, tmp_path)

@@ -171,14 +171,14 @@ class Simulation:
 def check_against_simulation(
     *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
     dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
-    device: str = "cpu", grad_dtype: str = "float32",
+    device: str = "cpu", grad_dtype: str = "float32", accumulate: str = "auto",
 ) -> ZenFlowAdamW:
     model = Net(dtype).to(device)
     twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy (on the CPU)
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
                   warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend,
-                  grad_dtype=grad_dtype)
+                  grad_dtype=grad_dtype, accumulate=accumulate)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
     resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]

@@ -23,7 +23,7 @@ import torch
 from .config import ZenFlowConfig
 from .worker import host_thread_limit, host_thread_share
 
-__all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce", "default_cpu_threads"]
+__all__ = ["AUTO_WARMUP_STEPS", "Knobs", "announce", "default_cpu_threads", "place_sums"]
 
 logger = logging.getLogger("zenflow_triton")
 # The logger of the one line "auto" writes about its choice: a child of the library's, so an application can route
@@ -74,6 +74,34 @@ def default_cpu_threads(device: torch.device | None) -> int:
     AdamW thread on its core would delay every launch (the GPU then idles for the host)."""
     reserved = 2 if device is not None and device.type == "cuda" else 1
     return max(1, host_thread_share() - reserved)
+
+
+def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tuple[str, str]:
+    """Where the window sums live ("device" or "host") and why: ``config.accumulate``, or for "auto" the rule of
+    :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's figures. Called once, at the
+    first step (the model is built and has run a forward and a backward), before any device buffer of the
+    optimizer exists. ``params``: the offloaded parameters stepping first."""
+    choice = config.accumulate
+    if choice != "auto":
+        return choice, f"accumulate={choice!r} was given"
+    from .autotune.placement import place_accumulation
+    from .sharding import local
+
+    device = params[0].device
+    numel = sum(local(p).numel() for p in params)
+    r = config.topk_ratio
+    # With topk_ratio="auto" the compact state's size is not known yet; the default ratio stands in for it.
+    ratio = float(r) if r != "auto" else ZenFlowConfig.topk_ratio
+    available = None
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # torch's cache holds memory a step can reuse: what is free at the step's peak so far is the driver's free
+        # memory plus the cache, less the peak allocation (weights, gradients and the activations at their peak).
+        available = max(0.0, float(free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)))
+    grad_bytes = 2 if config.grad_dtype == "bfloat16" or params[0].dtype != torch.float32 else 4
+    placement = place_accumulation(device=device.type, offloaded_numel=numel, topk_ratio=ratio,
+                                   available_bytes=available, grad_bytes=grad_bytes)
+    return placement.accumulate, placement.reason
 
 
 class Knobs:

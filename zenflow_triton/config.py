@@ -44,6 +44,14 @@ class ZenFlowConfig:
     """Dtype of the gradient landing buffer on the host; bfloat16 halves device-to-host traffic."""
     worker_timeout: float = 600.0
     """Seconds step() waits for one host job before declaring the worker hung (RuntimeError)."""
+    # Device memory (issue 18): where the window's gradient sum lives.
+    accumulate: Literal["auto", "device", "host"] = "auto"
+    """Where the unselected columns' window sum is kept: "device" (an fp32 acc on the device, 4 B/param there, one
+    copy per window), "host" (each step's gradient is copied to pinned host memory and summed there by the worker:
+    no device acc, one copy per step), "auto" (the placement rule: "device" on CPU tensors)."""
+    max_grad_norm: float | None = None
+    """Clip gradients inside step() to this total L2 norm (torch.nn.utils.clip_grad_norm_'s formula, over all the
+    optimizer's parameters); None: no clipping."""
 
     def __post_init__(self) -> None:
         r = self.topk_ratio
@@ -74,6 +82,13 @@ class ZenFlowConfig:
             raise ValueError(f"Invalid grad_dtype: {self.grad_dtype!r} (one of 'float32', 'bfloat16')")
         if not (isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
             raise ValueError(f"Invalid worker_timeout: {self.worker_timeout!r}")
+        # Device memory (issue 18)
+        if self.accumulate not in ("auto", "device", "host"):
+            raise ValueError(f"Invalid accumulate: {self.accumulate!r} (one of 'auto', 'device', 'host')")
+        # Clipping inside the optimizer (issue 18)
+        g = self.max_grad_norm
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < math.inf):
+            raise ValueError(f"Invalid max_grad_norm: {g!r} (a finite float > 0, or None)")
 
     @property
     def is_auto(self) -> bool:

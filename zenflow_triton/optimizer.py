@@ -27,6 +27,7 @@ from . import checkpoint, retune
 from .auto import AUTO_WARMUP_STEPS, Knobs, announce
 from .columns import reselect_many_
 from .config import ZenFlowConfig
+from .gradients import GradientClipper
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
 from .params import (
     META_HINT,
@@ -72,6 +73,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
+        accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
+            (each step's gradient copied to the host and summed there; no device acc), or "auto".
+        max_grad_norm: clip gradients at each step() to this total norm, exactly as
+            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before ``step()`` would; None: no clipping.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -101,6 +106,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: str = "auto",
         grad_dtype: str = "float32",
         worker_timeout: float = 600.0,
+        accumulate: str = "auto",
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         hyperparams(defaults, decoupled=self._decoupled)
@@ -109,11 +116,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
+            accumulate=accumulate, max_grad_norm=max_grad_norm,
         )
         self._device: torch.device | None = None
         self._stats = Stats()
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
+        self._gradients = GradientClipper(self.config.max_grad_norm)
         super().__init__(params, defaults)
         self._knobs = Knobs(self.config, device=self._device)  # after the params: cpu_threads' default is per device
         if self._device is not None and self._device.type != "meta":
@@ -159,6 +168,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             resident, offloaded = self._prepare_step()
             if not offloaded and not any(ps for _, ps in resident):
                 return loss  # no gradient at all: nothing happens, as in torch (and the schedule does not advance)
+            self._gradients.clip_(self.param_groups)  # max_grad_norm: before anything reads a gradient
             self._schedule.step += 1
             self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
             self._resident_step(resident)
@@ -169,6 +179,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._knobs.step_ended(now)
             self._stats.device_opt_s += now - entered - (self._stats.stall_s - stall_before)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place first orders the compute stream after any copy
+        still reading a gradient (accumulate="host" on CUDA copies each step's gradient asynchronously)."""
+        if not set_to_none:
+            self._pipeline.release_gradients()
+        super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Like ``torch.optim.Optimizer.state_dict`` (its hooks run as there): waits for host work but never changes
@@ -339,7 +356,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # for the host) and the part of it that was waiting.
         per_step = {"ms_per_step": 1e3 * (s.device_opt_s + s.stall_s) / s.steps if s.steps else 0.0,
                     "stall_ms_per_step": 1e3 * s.stall_s / s.steps if s.steps else 0.0}
-        return {**self._pipeline.report(), **per_step, **self._knobs.state_dict(), **self._knobs.report(s)}
+        return {**self._pipeline.report(self.state), **per_step, **self._knobs.state_dict(), **self._knobs.report(s),
+                **self._gradients.report()}
 
     # ------------------------------------------------------------------ the step
 
@@ -480,6 +498,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._stats.record_selection(picks, measured=scores)
         windows: dict[torch.Tensor, Window] = {}
         calls: list[FusedStepArgs] = []
+        landed: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # accumulate="host": gradients for the host sum
         stepped: set[torch.Tensor] = set()
         for hp, p in offloaded:
             st, rec = self.state[p], records[p]
@@ -503,16 +522,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 windows[p] = Window(p, hp, grad=g2.detach())
                 continue
             # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
-            # in the same pass), the rest summed into acc.
+            # in the same pass), the rest summed into acc (with accumulate="host", step 4 is the host's: the
+            # gradient lands there after the kernels).
+            acc, accumulate, alone = pipeline.step_sum(p, st, g2)
             calls.append(FusedStepArgs(
                 param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
-                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=st["acc"], hp=hp,
-                accumulate=st["acc_count"] > 0, update_score=update_score,
+                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
+                accumulate=accumulate, update_score=update_score,
                 count_step=tau >= 1 and rec.masks.num_unselected < rec.cols,
             ))
+            if alone:
+                ops.fused_steps_(calls)
+                calls = []
+            if pipeline.host_sums:
+                landed.append((p, g2, st["acc_count"] > 0))
             st["acc_count"] += 1
         if calls:
             ops.fused_steps_(calls)
+        if landed:
+            pipeline.land(landed, self.state, cpu_threads=cfg.cpu_threads)
         if not selecting:
             add_summed_scores_(shared)
         if window_end:

@@ -2,10 +2,12 @@
 AdamW result back in the parameter.
 
 One :class:`Pipeline` per optimizer owns the host worker thread, the host slabs and each offloaded parameter's
-record (landing buffer, snapshot, masks), the copy stream and its events, the device staging buffers, and the
+record (landing buffer, snapshot, masks), the copy streams and their events, the device staging buffers, and the
 one host job in flight. The optimizer's schedule calls it at four points: :meth:`Pipeline.begin_step` before a
 parameter's step, :meth:`Pipeline.takes_gradient` at a one-step window, :meth:`Pipeline.end_windows` at a window
-end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``).
+end, :meth:`Pipeline.wait` where host results must be visible (a selection step, ``flush()``, ``state_dict()``);
+with accumulate="host" also :meth:`Pipeline.land` after every step's fused kernels (each gradient to the host, where
+the adder thread sums it).
 
 On CPU tensors (no GPU) "device" and host memory are one, and three copies are skipped behind this interface:
 a one-step window that ``step()`` waits for reads the gradient where it is and writes the parameter directly
@@ -119,19 +121,58 @@ def compile_host_kernels() -> float:
     return time.perf_counter() - start
 
 
-def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
-    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent. Once an
-    item's ``cancelled`` is set (the job overran worker_timeout) it writes nothing more: it stops before its next
-    item, so a parameter that the user restored after the timeout stays as restored (an item being written
-    finishes)."""
+@dataclass
+class AddItem:
+    """accumulate="host": one parameter's share of one step's add job, ``dst (+)= src`` (``accumulate``)."""
+
+    dst: torch.Tensor  # the open window's fp32 sum (host)
+    src: torch.Tensor  # this step's landed gradient (host)
+    accumulate: bool
+
+
+def run_add_job(items: list[AddItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
+    """The adder's body for one step (accumulate="host"): each landed gradient into its window sum."""
+    from .kernels.host_accumulate import host_accumulate_
+
+    start = time.perf_counter()
+    if ready is not None:
+        ready.synchronize()  # the landing slots are filled by an asynchronous device-to-host copy
+    for it in items:
+        host_accumulate_(it.dst, it.src, accumulate=it.accumulate, num_threads=num_threads)
+    return time.perf_counter() - start
+
+
+def compile_accumulate_kernel() -> None:
+    """The adder's first job: load the add kernel (numba compiles it on a machine's first use)."""
+    from .kernels.host_accumulate import host_accumulate_
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        host_accumulate_(torch.zeros(1), torch.zeros(1, dtype=dtype), accumulate=True, num_threads=1)
+
+
+def run_host_job_after(after: Future, items: list[HostItem], ready: Sequence[torch.cuda.Event],
+                       num_threads: int) -> float:
+    """accumulate="host": :func:`run_host_job` once ``after``, the adder's last job, has completed the window
+    sums it reads (an exception there fails this job too, and surfaces at the next ``step()``)."""
+    after.result()
+    return run_host_job(items, ready, num_threads)
+
+
+def run_host_job(items: list[HostItem], ready: Sequence[torch.cuda.Event], num_threads: int) -> float:
+    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent.
+    ``ready``: CUDA events to wait for first (the window sums' device-to-host copies, and the last merge's
+    host-to-device copies, which read the host arrays this job writes). Once an item's ``cancelled`` is set (the
+    job overran worker_timeout) it writes nothing more: it stops before its next item, so a parameter that the user
+    restored after the timeout stays as restored (an item being written finishes)."""
     # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
     from .kernels.cpu_adamw import host_adamw_
 
     start = time.perf_counter()
-    if ready is not None:
-        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them
-        # before it completes would see the previous window's bytes.
-        ready.synchronize()
+    for event in ready:
+        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them before it
+        # completes would see the previous window's bytes. And the snapshot (or master) this job writes is the
+        # source of the last merge's host-to-device copies, which must have read it first.
+        event.synchronize()
     for it in items:
         if it.cancelled is not None and it.cancelled.is_set():
             break
@@ -143,7 +184,7 @@ def run_host_job(items: list[HostItem], ready: torch.cuda.Event | None, num_thre
 
 
 class Pipeline:
-    """The host side of one optimizer: worker, slabs, records, copy stream, staging and the job in flight.
+    """The host side of one optimizer: worker, slabs, records, copy streams, staging and the job in flight.
 
     ``config`` is the user's (``overlap``, ``grad_dtype``, ``backend``, ``cpu_threads``, ``worker_timeout`` are
     read); ``stats`` the optimizer's counters. State dicts are passed in by each call (the optimizer's ``state``).
@@ -165,7 +206,16 @@ class Pipeline:
         # CUDA only, grad_dtype="bfloat16": the one device buffer every window sum is rounded into before its copy
         # to the host (see _ship_sums).
         self._bf16_landing: torch.Tensor | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
+        # CUDA only: device-to-host copies (window sums, accumulate="host"'s per-step gradients) and host-to-device
+        # copies (the merge's) on streams of their own, so that the link carries both directions at once; events
+        # order them wherever they share a buffer. And whether a merge copy was queued since the last host job.
+        self._d2h_stream: torch.cuda.Stream | None = None
+        self._h2d_stream: torch.cuda.Stream | None = None
+        self._h2d_queued = False
+        # CUDA, accumulate="host": the event after the last per-step gradient copy. The model may reuse a gradient's
+        # memory in place (zero_grad(set_to_none=False), then backward), on the compute stream, which must wait for
+        # that copy first (release_gradients).
+        self._grads_read: torch.cuda.Event | None = None
         self._device: torch.device | None = None  # the CUDA device of the parameters, once known
         # Tests only (tests/test_gpu_stress.py): torch.cuda._sleep cycles injected on the copy stream before the
         # window's device-to-host copies ("d2h") and before each merge copy ("h2d"), and on the compute stream
@@ -179,6 +229,18 @@ class Pipeline:
         self.worker = HostWorker()
         # The worker stops when the optimizer is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.worker.close)
+        # accumulate="host" (DESIGN §4, §5): "device" or "host" once the parameters' device is known (None before),
+        # why, and the adder: a second thread that adds each step's landed gradients into the host window sums, so
+        # that a window's AdamW job (on the worker) never holds up the next window's adds. Its jobs per landing
+        # slot (two slots, alternating by step), and the last one.
+        self.accumulate: str | None = None
+        self.accumulate_reason = ""
+        self._adder: HostWorker | None = None
+        self._adder_finalizer: Any = None
+        self._adds: list[Future | None] = [None, None]
+        self._add_slot = 0
+        self._last_add: Future | None = None
+        self._scratch: torch.Tensor | None = None  # see step_sum
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,6 +277,11 @@ class Pipeline:
             exc = job.exception()
             self.failure = exc
             raise RuntimeError("the host worker failed during an earlier window") from exc
+        add = self._last_add
+        if add is not None and add.done() and add.exception() is not None:
+            self._last_add = None
+            self.failure = add.exception()
+            raise RuntimeError("the host adder failed during an earlier step") from self.failure
 
     def close(self, state: State) -> None:
         """Apply host work still in flight (unless the worker failed), stop the worker, and release everything
@@ -225,6 +292,7 @@ class Pipeline:
         try:
             if self.failure is None:
                 self.wait(state, merge=True)
+                self._wait_adds()
         except Exception as exc:  # close() always closes: what could not be applied is reported, not raised
             logger.warning("zenflow_triton: close() could not apply the host work in flight (%s: %s); the "
                            "parameters lack its update", type(exc).__name__, exc)
@@ -232,6 +300,11 @@ class Pipeline:
             self.closed = True
             self.worker.close(self.config.worker_timeout)
             self._finalizer.detach()
+            if self._adder is not None:
+                self._adder.close(self.config.worker_timeout)
+                self._adder_finalizer.detach()
+                self._adder = None
+            self._adds, self._last_add, self._scratch = [None, None], None, None
             if self._device is not None:
                 # Queued copies read and write slab pages (copy stream) and merges read staging (compute stream):
                 # the pages may be unregistered and unmapped only once no queued work can touch them. Every stream
@@ -243,10 +316,27 @@ class Pipeline:
             self.records.clear()
             self._staging.clear()
             self._bf16_landing = None
-            self._copy_stream = None
+            self._d2h_stream = self._h2d_stream = self._grads_read = None
             self._job = None
 
-    def report(self) -> dict[str, Any]:
+    def device_bytes(self, state: State) -> int:
+        """Bytes this optimizer holds on the device for its offloaded parameters, beyond the weights and their
+        ``.grad``: the device state entries (``acc`` unless accumulate="host", the compact selected state, the
+        per-column vectors) and the pipeline's buffers (staging, bf16 rounding, scratch, score deltas)."""
+        total = 0
+        for p, rec in self.records.items():
+            st = state.get(p, {})
+            for key in DEVICE_KEYS:
+                t = st.get(key)
+                if key not in rec.host and isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+            if rec._score_delta is not None:
+                total += rec._score_delta.numel() * 4
+        buffers = [entry[0] for ring in self._staging.values() for entry in ring]
+        buffers += [self._bf16_landing, self._scratch]
+        return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
+
+    def report(self, state: State | None = None) -> dict[str, Any]:
         """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
         parameter's rows here); ``offloaded_params`` counts whole parameters."""
         s, records, slabs = self.stats, self.records, self.slabs
@@ -272,6 +362,10 @@ class Pipeline:
             "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
             "offloaded_params": sum(p.numel() for p in records),
             "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
+            "accumulate": self.accumulate,
+            "accumulate_reason": self.accumulate_reason,
+            "device_bytes_per_param": (self.device_bytes(state) / local_numel if state is not None and local_numel
+                                       else 0.0),
         }
 
     # ------------------------------------------------------------------ host state
@@ -338,8 +432,156 @@ class Pipeline:
             # The worker's jobs wait on CUDA events: on the parameters' device, not on a context of device 0.
             self.worker.use_device(device)
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
+        if self.accumulate is None:
+            # Decided once, before any device buffer exists (acc is allocated by init/load after this).
+            self.accumulate, self.accumulate_reason = self._place_sums(params)
+            if self.accumulate == "host":
+                self._adder = HostWorker(name="zenflow-add")
+                self._adder_finalizer = weakref.finalize(self, self._adder.close)
+                if device.type == "cuda":
+                    self._adder.use_device(device)
+                # Load (or compile, on a machine's first run) the add kernel while the first steps run; the adder
+                # runs jobs in order, so the first add waits for it.
+                self._adder.submit(compile_accumulate_kernel)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap)
+            return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
+                            host_sums=self.accumulate == "host")
+
+    def _place_sums(self, params: Sequence[torch.Tensor]) -> tuple[str, str]:
+        """Where the window sums live ("device" or "host") and why (:func:`zenflow_triton.auto.place_sums`)."""
+        from .auto import place_sums
+
+        return place_sums(params, self.config)
+
+    @property
+    def host_sums(self) -> bool:
+        """accumulate="host": each step's gradient goes to the host (:meth:`land`), there is no device ``acc``."""
+        return self.accumulate == "host"
+
+    def step_sum(self, p: torch.Tensor, st: dict[str, Any], grad: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        """What the fused step writes its unselected columns into, for this step of ``p``: ``(acc, accumulate,
+        alone)``. On the device path, ``state["acc"]``, added into after a window's first step. With
+        accumulate="host" the kernel has no sum to keep: an fp32 gradient is its own target (``acc = g`` writes
+        every unselected element back unchanged); any other dtype writes into one scratch buffer the size of the
+        largest parameter, which nothing reads, launched ``alone`` so that no two launches share it at once."""
+        if not self.host_sums:
+            return st["acc"], st["acc_count"] > 0, False
+        if grad.dtype == torch.float32:
+            return grad, False, False
+        numel = grad.numel()
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = None  # freed first: the allocator may reuse it, in stream order
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=grad.device)
+        return self._scratch[:numel].view(grad.shape), False, True
+
+    def land(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], state: State, *,
+             cpu_threads: int) -> None:
+        """accumulate="host", after this step's fused kernels: copy each ``(p, grad, accumulate)``'s gradient into
+        the next landing slot (device-to-host on the copy stream; a plain copy on CPU tensors) and submit the add
+        into its window sum to the adder. Waits (stall) only when the slot's previous add, two steps ago, still
+        reads it."""
+        slot = self._add_slot
+        self._add_slot ^= 1
+        previous = self._adds[slot]
+        if previous is not None:
+            self._wait_job(previous, self._adder, stall=True)
+            self._adds[slot] = None
+        device = landed[0][0].device
+        ready = None
+        if device.type == "cuda":
+            ready = self._land_on_copy_stream(landed, slot)
+        else:
+            # The training thread copies: the gradient may change (zero_grad, the next backward) before the adder
+            # runs, and a copy here costs one read and one write, like the device-to-host copy it stands for.
+            for p, grad, _ in landed:
+                self.records[p].slots[slot].view(grad.shape).copy_(grad)
+        items = []
+        for p, _, accumulate in landed:
+            rec = self.records[p]
+            dst = state[p]["acc"]
+            items.append(AddItem(dst=dst, src=rec.slots[slot], accumulate=accumulate))
+            self.stats.d2h_bytes += rec.slots[slot].numel() * rec.slots[slot].element_size()
+        try:
+            future = self._adder.submit(run_add_job, items, ready, cpu_threads)
+        except WorkerError as exc:
+            self.failure = exc
+            raise
+        self._adds[slot] = self._last_add = future
+
+    def _land_on_copy_stream(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]],
+                             slot: int) -> torch.cuda.Event:
+        """CUDA, accumulate="host": this step's gradients to landing slot ``slot`` on the copy stream, after the
+        compute stream's fused kernels (with grad_dtype="bfloat16", each rounded first into one reused buffer, as
+        in _ship_sums). The event marks their end."""
+        device = landed[0][0].device
+        compute = torch.cuda.current_stream(device)
+        copy = self._d2h(device)
+        copy.wait_stream(compute)
+        with torch.cuda.stream(copy):
+            if self.test_delays.get("d2h"):
+                torch.cuda._sleep(self.test_delays["d2h"])
+            for p, grad, _ in landed:
+                dst = self.records[p].slots[slot]
+                src = grad
+                if dst.dtype != grad.dtype:  # grad_dtype="bfloat16": this step's gradient rounded to bf16
+                    numel = grad.numel()
+                    if self._bf16_landing is None or self._bf16_landing.numel() < numel:
+                        self._bf16_landing = None
+                        self._bf16_landing = torch.empty(numel, dtype=torch.bfloat16, device=device)
+                    src = self._bf16_landing[:numel].view(grad.shape)
+                    src.copy_(grad)
+                dst.view(grad.shape).copy_(src, non_blocking=True)
+                # The gradient is read on this stream: if the model frees it (zero_grad), its memory must not be
+                # handed out again before this stream is past the read.
+                grad.record_stream(copy)
+            ready = torch.cuda.Event(blocking=True)
+            ready.record(copy)
+        self._grads_read = ready
+        return ready
+
+    def release_gradients(self) -> None:
+        """Before gradients are changed in place (``zero_grad(set_to_none=False)``): with accumulate="host" on CUDA,
+        the compute stream waits for the last per-step copy that reads them. A gradient set to None needs nothing
+        (the copy stream holds its memory: record_stream)."""
+        event, self._grads_read = self._grads_read, None
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    def _d2h(self, device: torch.device) -> torch.cuda.Stream:
+        if self._d2h_stream is None:
+            self._d2h_stream = torch.cuda.Stream(device=device)
+        return self._d2h_stream
+
+    def _h2d(self, device: torch.device) -> torch.cuda.Stream:
+        if self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(device=device)
+        return self._h2d_stream
+
+    def _merges_read(self, device: torch.device) -> tuple[torch.cuda.Event, ...]:
+        """An event after every merge copy queued since the last host job (none when none was): the next job writes
+        the host arrays those copies read."""
+        if not self._h2d_queued:
+            return ()
+        self._h2d_queued = False
+        event = torch.cuda.Event(blocking=True)
+        event.record(self._h2d(device))
+        return (event,)
+
+    def _wait_adds(self) -> None:
+        """accumulate="host": wait for every add submitted so far (the adder runs its jobs in order)."""
+        last = self._last_add
+        if last is not None:
+            self._wait_job(last, self._adder, stall=True)
+            self._last_add = None
+            self._adds = [None, None]
+
+    def _wait_job(self, job: Future, worker: HostWorker, *, stall: bool) -> None:
+        start = time.perf_counter()
+        try:
+            self._wait_for(job, worker)
+        finally:
+            if stall:
+                self.stats.stall_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ the schedule's calls
 
@@ -352,6 +594,7 @@ class Pipeline:
         for p, rec in self.records.items():
             st = state[p]
             data = local(p)
+            on_host = rec.host
             if rec.master_is_param and rec.host["host_master"].data_ptr() != data.data_ptr():
                 # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
                 # plain torch optimizer would read them, instead of updates landing in memory the model let go.
@@ -360,7 +603,7 @@ class Pipeline:
                 if st[key] is not home:
                     st[key] = home
             for key in DEVICE_KEYS:
-                if st[key].device != p.device:
+                if key not in on_host and st[key].device != p.device:
                     st[key] = st[key].to(p.device)
 
     def begin_step(self, p: torch.Tensor, st: dict[str, Any]) -> None:
@@ -387,15 +630,19 @@ class Pipeline:
         with ``sync``, wait for it and apply it too)."""
         self.wait(state, merge=True)
         device = windows[0].param.device
-        ready = self._ship_sums(windows, state) if device.type == "cuda" else None
+        ready = self._ship_sums(windows, state) if device.type == "cuda" and not self.host_sums else None
         items = [self._host_item(w, state[w.param], ready) for w in windows]
+        events = ((ready,) if ready is not None else ()) + (self._merges_read(device) if device.type == "cuda" else ())
         self.stats.windows += 1
         # A synchronous window is waited for anyway, so its job may use every core unless the user chose a count.
         threads = cpu_threads
         if sync and self.config.cpu_threads is None:
             threads = max(threads, host_thread_share())
         try:
-            future = self.worker.submit(run_host_job, items, ready, threads)
+            if self._last_add is not None:
+                future = self.worker.submit(run_host_job_after, self._last_add, items, events, threads)
+            else:
+                future = self.worker.submit(run_host_job, items, events, threads)
         except WorkerError as exc:
             self.failure = exc
             raise
@@ -423,9 +670,7 @@ class Pipeline:
         """Start the device-to-host copies of the windows' sums on the copy stream; the event marks their end."""
         device = windows[0].param.device
         compute = torch.cuda.current_stream(device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=device)
-        copy = self._copy_stream
+        copy = self._d2h(device)
         rounds = self.config.grad_dtype == "bfloat16"
         # The copies may start only after this step's fused kernels finished writing acc.
         copy.wait_stream(compute)
@@ -466,6 +711,11 @@ class Pipeline:
             grad, count = w.grad, 1
             # The kernel writes the parameter: through the master itself, or as the snapshot it rounds into.
             snapshot = None if rec.master_is_param else local(p).detach().view(rec.rows, rec.cols)
+        elif rec.sums is not None:
+            # accumulate="host": the window's sum is already on the host (the job waits for the adder); nothing
+            # ships, and the next window sums into the other buffer.
+            grad, count = st["acc"], st["acc_count"]
+            rec.flip_sum(st)
         elif ready is not None:
             grad, count = rec.landing, st["acc_count"]
             rec.d2h_done = ready
@@ -477,7 +727,8 @@ class Pipeline:
         else:
             rec.landing.copy_(st["acc"])
             grad, count = rec.landing, st["acc_count"]
-        self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        if rec.sums is None:  # accumulate="host" counts its copies per step (land)
+            self.stats.d2h_bytes += grad.numel() * grad.element_size()
         st["acc_count"] = 0
         # A result written straight into the parameter needs no merge.
         st["pending"] = not (w.grad is not None or rec.master_is_param)
@@ -493,7 +744,7 @@ class Pipeline:
         if job is not None:
             start = time.perf_counter()
             try:
-                seconds = self._wait_for(job)
+                seconds = self._wait_for(job, self.worker)
             finally:
                 waited = time.perf_counter() - start
                 if self._job_compiles:
@@ -508,6 +759,10 @@ class Pipeline:
                                    "machine; later runs load them from numba's cache)", seconds)
             else:
                 self.stats.host_job_s += seconds
+        if not merge:
+            # A checkpoint's wait (state_dict, load_state_dict): with accumulate="host" the window sum it saves or
+            # replaces must be complete.
+            self._wait_adds()
         if merge:
             with torch.no_grad():
                 for p, rec in self.records.items():
@@ -515,13 +770,13 @@ class Pipeline:
                     if st.get("pending"):
                         self._merge(p, st, rec)
 
-    def _wait_for(self, job: Future) -> float:
+    def _wait_for(self, job: Future, worker: HostWorker) -> float:
         """The job's result. A failure of the job or the worker stops the optimizer; a KeyboardInterrupt or
         SystemExit in this (the waiting) thread is held (see :meth:`deferred_interrupts`) while the wait goes on,
         and a second one propagates with the job still in flight, so a later call waits for it again."""
         while True:
             try:
-                return self.worker.wait(job, self.config.worker_timeout)
+                return worker.wait(job, self.config.worker_timeout)
             except WorkerError as exc:
                 self.failure, self._job = exc, None
                 raise
@@ -540,10 +795,8 @@ class Pipeline:
         if p.device.type == "cuda":
             numel = source.numel()
             compute = torch.cuda.current_stream(p.device)
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=p.device)
-            copy = self._copy_stream
-            # The host-to-device copy runs on the copy stream, so the compute stream is not blocked by it (the kernels
+            copy = self._h2d(p.device)
+            # The host-to-device copy runs on its own stream, so the compute stream is not blocked by it (the kernels
             # queued before the merge keep running while it crosses PCIe); the compute stream waits for it only just
             # before the merge kernel. Buffers rotate through a ring of two.
             ring = self._staging.setdefault(p.dtype, [])
@@ -554,7 +807,13 @@ class Pipeline:
             if entry[0] is None or entry[0].numel() < numel:
                 # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose
                 # last use of it (the merge kernel) came after the copy stream's last write (see `filled` below).
+                entry[0] = None
                 entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
+                # New memory, from the compute stream's pool: kernels queued on that stream before now may still read
+                # or write it (activations freed since). Its `free` event, which the copy below waits on, must then
+                # mark this point of the compute stream (for a new entry it was never recorded, and a wait on it
+                # did nothing: the copy could land while a queued kernel still used the memory).
+                entry[2].record(compute)
             buffer, filled, free = entry
             view = buffer[:numel].view(rec.rows, rec.cols)
             with torch.cuda.stream(copy):
@@ -564,9 +823,10 @@ class Pipeline:
                     torch.cuda._sleep(self.test_delays["h2d"])
                 view.copy_(source, non_blocking=True)
                 filled.record(copy)
+            self._h2d_queued = True
             # The merge reads the buffer only once the copy has landed. The host source stays intact until then: the
-            # next host job writes it only after its `ready` event, which _ship_sums records later on this same copy
-            # stream (and a selection step's migration first synchronizes the compute stream, which waits here).
+            # next host job first waits for an event recorded after this copy on this stream (_merges_read), and a
+            # selection step's migration first synchronizes the compute stream, which waits here.
             compute.wait_event(filled)
             if self.test_delays.get("merge"):
                 torch.cuda._sleep(self.test_delays["merge"])

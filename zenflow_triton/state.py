@@ -7,7 +7,8 @@ An offloaded parameter ``[R, C]`` keeps in ``optimizer.state[p]``:
   ``host_col_step`` (int32 ``[C]``);
 - device: ``score`` (fp32 ``[C]``), ``slot`` (int32 ``[C]``, -1 = unselected), ``col_step`` (int32 ``[C]``),
   the compact ``master``/``exp_avg``/``exp_avg_sq`` of the k selected columns (fp32 ``[R, k]``), ``acc`` (fp32
-  ``[R, C]``, the unselected columns' gradient sum of the open window);
+  ``[R, C]``, the unselected columns' gradient sum of the open window; with accumulate="host" a host slab view
+  instead, one of the record's two ``sums``);
 - counters: ``step``, ``acc_count`` (gradients in ``acc``), ``pending`` (a host result still to be merged into the
   parameter).
 
@@ -67,6 +68,18 @@ class OffloadedParam:
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     _score_delta: torch.Tensor | None = None
+    # accumulate="host" (DESIGN §4): the window sum lives in host memory, in two fp32 buffers that alternate by
+    # window (the job of window w reads one while window w+1's steps are added into the other), and each step's
+    # gradient lands in one of two slots (the worker adds one step while the next one's copy lands). None on the
+    # device path, where ``acc`` is on the device and ``landing`` receives its sum once per window.
+    sums: tuple[torch.Tensor, torch.Tensor] | None = None
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    parity: int = 0  # which of ``sums`` is the open window's (``state["acc"]``)
+
+    def flip_sum(self, st: dict[str, Any]) -> None:
+        """accumulate="host", at a window end: the next window sums into the other buffer."""
+        self.parity ^= 1
+        st["acc"] = self.host["acc"] = self.sums[self.parity]
 
     def score_delta(self) -> torch.Tensor:
         """A sharded parameter's per-step buffer for its local column scores, summed over ``group`` before it is
@@ -78,20 +91,29 @@ class OffloadedParam:
 
 def allocate(
     params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, dict[str, Any]], *, grad_dtype: torch.dtype,
-    overlap: bool,
+    overlap: bool, host_sums: bool = False,
 ) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
     """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers; sets
     ``state[p]`` to its host entries (uninitialized) and returns the slab and each parameter's record.
 
     An fp32 parameter on the CPU with ``overlap=False`` is its own host master: every host result is due in
     the parameter when ``step()`` returns, so a separate copy would only add a stream to every host pass.
+
+    ``host_sums`` (accumulate="host"): instead of one landing buffer for the window sum, two fp32 window sums and
+    two per-step landing slots, in bf16 with ``grad_dtype`` bfloat16, else in the gradient's own dtype (a bf16 or
+    fp16 gradient widens to fp32 exactly, so landing it as it is halves the copy and changes nothing).
     """
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
     alias = [p.device.type == "cpu" and p.dtype == torch.float32 and not overlap for p in params]
     for p, own_master in zip(params, alias):
         rows, cols = local_matrix_shape(p)
         requests += [((rows, cols), torch.float32)] * (2 if own_master else 3)
-        requests += [((cols,), torch.int32), ((rows, cols), grad_dtype)]
+        requests.append(((cols,), torch.int32))
+        if host_sums:
+            slot_dtype = torch.bfloat16 if grad_dtype == torch.bfloat16 else p.dtype
+            requests += [((rows, cols), torch.float32)] * 2 + [((rows, cols), slot_dtype)] * 2
+        else:
+            requests.append(((rows, cols), grad_dtype))
         if p.dtype != torch.float32:
             requests.append(((rows, cols), p.dtype))
     pin = any(p.device.type == "cuda" for p in params)
@@ -104,12 +126,19 @@ def allocate(
         st["host_master"] = local(p).detach().view(rows, cols) if own_master else next(views)
         st["host_exp_avg"], st["host_exp_avg_sq"] = next(views), next(views)
         st["host_col_step"] = next(views)
-        landing = next(views)
+        sums = slots = None
+        if host_sums:
+            sums, slots = (next(views), next(views)), (next(views), next(views))
+            landing = slots[0]
+        else:
+            landing = next(views)
         snapshot = next(views) if p.dtype != torch.float32 else None
         records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
                                     masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
-                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p),
-                                    shape=tuple(local(p).shape), dtype=p.dtype)
+                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p), sums=sums,
+                                    slots=slots, shape=tuple(local(p).shape), dtype=p.dtype)
+        if host_sums:
+            st["acc"] = records[p].host["acc"] = sums[0]
     return slab, records
 
 
@@ -128,7 +157,10 @@ def init_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> 
     st["col_step"] = torch.zeros(cols, dtype=torch.int32, device=dev)
     for key in ("master", "exp_avg", "exp_avg_sq"):
         st[key] = torch.zeros((rows, 0), dtype=torch.float32, device=dev)
-    st["acc"] = torch.zeros((rows, cols), dtype=torch.float32, device=dev)
+    if rec.sums is None:
+        st["acc"] = torch.zeros((rows, cols), dtype=torch.float32, device=dev)
+    else:
+        st["acc"].zero_()  # the host window sum (accumulate="host"), bound by allocate
     st["acc_count"] = 0
     st["pending"] = False
     rec.masks.refresh(st["slot"])
@@ -156,7 +188,10 @@ def load_offloaded(p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam, sav
     st["col_step"] = saved["col_step"].to(dev, dtype=torch.int32, copy=True)
     st["score"] = saved["score"].to(dev, dtype=torch.float32, copy=True)
     st["slot"] = slot.to(dev)
-    st["acc"] = saved["acc"].detach().reshape(rows, cols).to(dev, dtype=torch.float32, copy=True)
+    if rec.sums is None:
+        st["acc"] = saved["acc"].detach().reshape(rows, cols).to(dev, dtype=torch.float32, copy=True)
+    else:  # accumulate="host": the same entry, into the host window sum (the format does not depend on the mode)
+        st["acc"].copy_(saved["acc"].detach().reshape(rows, cols))
     st["step"] = int(saved["step"])
     st["acc_count"] = int(saved["acc_count"])
     st["pending"] = bool(saved["pending"])

@@ -1,0 +1,67 @@
+"""Where ``accumulate="auto"`` keeps the window's gradient sum (DESIGN §4, §8): a pure rule, unit-tested with
+synthetic numbers; :mod:`zenflow_triton.auto` gathers the figures and calls it before any device buffer exists.
+
+The two placements cost the same compact selected state on the device (fp32 master and moments of the k selected
+columns, ``12·r`` bytes per offloaded parameter); ``"device"`` adds the fp32 window sum (4 bytes per parameter) and
+copies one sum per window to the host, ``"host"`` copies every step's gradient instead (``grad_bytes`` per
+parameter per step) and adds it on the host. So: ``"device"`` whenever its state fits in the device memory left at
+the step's peak with a margin (the fewer PCIe bytes win when memory allows), else ``"host"``; on CPU tensors always
+``"device"`` (device and host memory are one: nothing to save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PLACEMENT_FRACTION", "Placement", "place_accumulation"]
+
+# Share of the memory left at the step's peak that the optimizer's device state may take with accumulate="device":
+# the rest absorbs allocator fragmentation and later growth (longer sequences, a larger evaluation batch). The same
+# margin as the autotuner's memory budget (bridge.MEMORY_BUDGET_FRACTION).
+PLACEMENT_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The choice, why, and the device bytes of the optimizer's state in each mode (for ``stats()`` and the plan)."""
+
+    accumulate: str
+    reason: str
+    device_bytes: dict[str, float]
+    host_step_s: float | None = None  # "host"'s per-step copy and add, when the rates are known
+
+
+def place_accumulation(
+    *, device: str, offloaded_numel: int, topk_ratio: float, available_bytes: float | None, grad_bytes: int = 4,
+    d2h_bytes_per_s: float | None = None, host_add_bytes_per_s: float | None = None,
+    fraction: float = PLACEMENT_FRACTION,
+) -> Placement:
+    """``device``: "cuda" or "cpu"; ``offloaded_numel``: offloaded elements (this process's); ``topk_ratio``: r;
+    ``available_bytes``: device memory left at the step's peak before the optimizer's state (None: unknown, then
+    "device", today's path); ``grad_bytes``: bytes per element of a landed gradient; the rates (bytes per second)
+    only add the per-step cost of "host" to the reason."""
+    if offloaded_numel < 0 or not 0.0 <= topk_ratio <= 1.0:
+        raise ValueError(f"Invalid placement inputs: offloaded_numel={offloaded_numel}, topk_ratio={topk_ratio}")
+    compact = 12.0 * topk_ratio * offloaded_numel
+    sizes = {"device": compact + 4.0 * offloaded_numel, "host": compact}
+    step_s = None
+    if d2h_bytes_per_s and host_add_bytes_per_s:
+        step_s = (offloaded_numel * grad_bytes / d2h_bytes_per_s
+                  + offloaded_numel * (8 + grad_bytes) / host_add_bytes_per_s)
+
+    def gib(x: float) -> str:
+        return f"{x / 2**30:.2f} GiB"
+
+    if device != "cuda":
+        return Placement("device", "CPU tensors: device and host memory are one, so there is no device memory to save",
+                         sizes, step_s)
+    if available_bytes is None:
+        return Placement("device", "device memory unknown: the window sum stays on the device", sizes, step_s)
+    budget = fraction * available_bytes
+    cost = "" if step_s is None else f"; host would cost {step_s * 1e3:.2f} ms per step of copies and adds"
+    if sizes["device"] <= budget:
+        return Placement("device", f"the device state with the window sum ({gib(sizes['device'])}) fits in "
+                         f"{fraction:.0%} of the {gib(available_bytes)} left at the step's peak{cost}", sizes, step_s)
+    return Placement("host", f"the device state with the window sum ({gib(sizes['device'])}) does not fit in "
+                     f"{fraction:.0%} of the {gib(available_bytes)} left at the step's peak; without it "
+                     f"{gib(sizes['host'])}{cost}", sizes, step_s)
