@@ -34,7 +34,7 @@ choice_logger = logging.getLogger("zenflow_triton.auto")
 # five steps give four intervals, enough for a median that ignores the first, slower, step.
 AUTO_WARMUP_STEPS = 5
 
-_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads")
+_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads", "host_lr_scale")
 
 
 def announce(message: str, log: logging.Logger = choice_logger) -> None:
@@ -186,13 +186,16 @@ class Knobs:
         return {name: self.value(name) for name in _CHECKPOINT_KEYS}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Take the checkpoint's ``topk_ratio``, ``update_interval`` and ``select_interval`` (None: still "auto").
+        """Take the checkpoint's ``topk_ratio``, ``update_interval``, ``select_interval`` (None: still "auto") and
+        ``host_lr_scale`` (1.0 when it has none).
         ``cpu_threads`` stays this machine's: the thread count never changes results, and a checkpoint's may
         exceed what this process can run."""
         r = saved.get("topk_ratio", self.value("topk_ratio"))
         u = saved.get("update_interval", self.value("update_interval"))
         s = saved.get("select_interval", self.value("select_interval"))
+        # A checkpoint from before host_lr_scale existed was trained with Adam's host step: 1.0.
+        h = saved.get("host_lr_scale", 1.0)
         self.resolved = self.resolved.replace(
             topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
-            select_interval=s if u is not None else self.config.select_interval,
+            select_interval=s if u is not None else self.config.select_interval, host_lr_scale=h,
         )

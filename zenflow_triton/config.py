@@ -43,6 +43,10 @@ class ZenFlowConfig:
     """Dtype of the gradient landing buffer on the host; bfloat16 halves device-to-host traffic."""
     worker_timeout: float = 600.0
     """Seconds step() waits for one host job before declaring the worker hung (RuntimeError)."""
+    # Deferred host step (issue 21).
+    host_lr_scale: float = 1.0
+    """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
+    step, the default (bench/quality_fair.py measured no better one on every task)."""
 
     def __post_init__(self) -> None:
         r = self.topk_ratio
@@ -73,6 +77,10 @@ class ZenFlowConfig:
             raise ValueError(f"Invalid grad_dtype: {self.grad_dtype!r} (one of 'float32', 'bfloat16')")
         if not (isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
             raise ValueError(f"Invalid worker_timeout: {self.worker_timeout!r}")
+        # Deferred host step (issue 21).
+        h = self.host_lr_scale
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and h > 0):
+            raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0; 1.0 is Adam's step)")
 
     @property
     def is_auto(self) -> bool:

@@ -58,6 +58,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
+        host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -87,6 +88,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: str = "auto",
         grad_dtype: str = "float32",
         worker_timeout: float = 600.0,
+        host_lr_scale: float = 1.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
@@ -94,6 +96,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
+            host_lr_scale=host_lr_scale,
         )
         self._device: torch.device | None = None
         self._knobs = Knobs(self.config)
@@ -230,7 +233,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             pipeline.rehome(self.state)
             windows = pipeline.open_windows(self.state, self._hp_of({}))
             if windows:
-                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads)
+                # Warm-up windows end at every step, so an open one here is past warm-up: host_lr_scale applies.
+                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads,
+                                     lr_scale=self._knobs.resolved.host_lr_scale)
             else:
                 pipeline.wait(self.state, merge=True)
 
@@ -422,7 +427,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for w in pipeline.open_windows(self.state, self._hp_of(unique), skip=windows):
                 windows[w.param] = w
         if windows:
-            pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads)
+            pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads,
+                                 lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
 
     def _plan_auto(self) -> None:
         records = self._pipeline.records
