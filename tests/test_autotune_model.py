@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import random
 import re
@@ -414,3 +415,30 @@ def test_the_model_imports_nothing_outside_the_autotuner():
     absolute = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     absolute |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     assert not {m for m in absolute if m and m.split(".")[0] == "zenflow_triton"}
+
+
+def test_the_host_lr_scale_is_taken_only_where_the_table_measured_a_gain():
+    from zenflow_triton.autotune.quality import HostScaleEntry
+
+    prof = make_profile()
+    w = make_workload(params=1e9, step=0.5)
+    base = plan(prof, w, quality=Q, topk_ratio=0.1, update_interval=4)
+    assert base.host_lr_scale == 1.0 and "host_lr_scale" not in base.reason
+    helps = HostScaleEntry(topk_ratio=0.1, update_interval=4, overlap=True, host_lr_scale=2.0,
+                           ratio=(0.99, 0.98, 0.995), stable=True)
+    worse = HostScaleEntry(topk_ratio=0.1, update_interval=4, overlap=False, host_lr_scale=2.0,
+                           ratio=(0.97, 1.02, 0.99), stable=True)
+    table = dataclasses.replace(Q, host_scales=(helps, worse))
+    chosen = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4)
+    assert chosen.host_lr_scale == 2.0
+    assert chosen.summary()["host_lr_scale"] == 2.0 and chosen.config_fields()["host_lr_scale"] == 2.0
+    assert "host_lr_scale=2: best loss 0.990/0.980/0.995 of Adam's host step's" in chosen.reason
+    # The budget is judged on Adam's step's prediction, an upper bound: the scale changes no other choice.
+    assert chosen.predicted_loss_ratio == base.predicted_loss_ratio
+    seq = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, overlap=False)
+    assert seq.host_lr_scale == 1.0 and "no measured scale was better on every task here (s=2: 0.970/1.020/0.990)" \
+        in seq.reason
+    assert plan(prof, w, quality=table, topk_ratio=0.1, update_interval=8).host_lr_scale == 1.0  # not measured
+    fixed = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, host_lr_scale=1.0)
+    assert fixed.host_lr_scale == 1.0
+    assert plan(prof, w, quality=table, host_lr_scale=3.0).host_lr_scale == 3.0

@@ -119,3 +119,46 @@ def test_render_shows_mean_spread_and_the_command():
     text = table.render()
     assert "2 seeds" in text and "regenerate: python bench/quality_table.py" in text
     assert f"{table.mean(2, 2):.3f} ({table.spread(2, 2)[0]:.3f}-{table.spread(2, 2)[1]:.3f})" in text
+
+
+def scale_entry(**over) -> dict:
+    return {"topk_ratio": 0.1, "update_interval": 4, "overlap": True, "host_lr_scale": 2.0,
+            "ratio": [0.99, 0.98, 0.995], "stable": True, "tasks": ["finetune", "scratch", "long"],
+            "source": "bench/quality_fair.py", **over}
+
+
+def test_host_lr_scale_entries_are_read_round_tripped_and_chosen_only_where_they_help(tmp_path):
+    entries = [scale_entry(), scale_entry(host_lr_scale=1.5, ratio=[0.97, 0.99, 0.999]),
+               scale_entry(host_lr_scale=3.0, ratio=[0.9, 0.9, 0.9], stable=False),  # lower, but a spike
+               scale_entry(overlap=False, ratio=[0.95, 1.01, 0.99])]  # worse on one task
+    table = QualityTable.from_dict(doc(host_lr_scale=entries))
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(table.to_dict()))
+    assert load_quality_table(path).host_scales == table.host_scales
+    # The lowest worst-task ratio among those better on every task and stable: 2.0 (worst 0.995 < 0.999).
+    assert table.host_lr_scale(0.1, 4, True).host_lr_scale == 2.0
+    assert table.host_lr_scale(0.1, 4, False) is None  # its one entry is worse on a task
+    assert table.host_lr_scale(0.1, 8, True) is None and table.host_lr_scale(0.25, 4, True) is None  # not measured
+    text = table.render()
+    assert "host_lr_scale=2 at r=0.1, U=4, overlap=on: best loss 0.990/0.980/0.995" in text
+    assert "unstable" in text and "no gain on every task: 1.0 stays" in text
+    assert QualityTable.from_dict(doc()).host_scales == ()  # optional: a table without entries knows 1.0 only
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (scale_entry(host_lr_scale=1.0), "not 1"),
+        (scale_entry(host_lr_scale=-2.0), "> 0"),
+        (scale_entry(ratio=[]), "positive numbers"),
+        (scale_entry(ratio=[1.0, 0.0, 1.0]), "positive numbers"),
+        (scale_entry(overlap="yes"), "true or false"),
+        (scale_entry(update_interval=2.5), "int >= 1"),
+        (scale_entry(tasks=["a"]), "1 tasks but 3 ratios"),
+        ({"topk_ratio": 0.1}, "lacks"),
+        ("2.0", "objects"),
+    ],
+)
+def test_malformed_host_lr_scale_entries_are_rejected(entry, message):
+    with pytest.raises(QualityTableError, match=message):
+        QualityTable.from_dict(doc(host_lr_scale=[entry]), source="mine.json")

@@ -101,7 +101,8 @@ class Knobs:
 
     @property
     def ready(self) -> bool:
-        return self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
+        return (self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
+                and self.resolved.host_lr_scale != "auto")
 
     # ------------------------------------------------------------------ step time
 
@@ -138,7 +139,7 @@ class Knobs:
             offloaded_shapes=offloaded_shapes, param_dtype=param_dtype, grad_dtype=cfg.grad_dtype,
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
-            overlap=cfg.overlap, cpu_threads=cfg.cpu_threads,
+            overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
         )
         self.plan = plan
         u = int(plan.update_interval)
@@ -154,9 +155,11 @@ class Knobs:
         if cfg.cpu_threads is None:
             threads = max(1, min(int(plan.cpu_threads), host_thread_share()))
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
-                                              select_interval=select, cpu_threads=threads)
+                                              select_interval=select, cpu_threads=threads,
+                                              host_lr_scale=float(plan.host_lr_scale))
         loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"
-        announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u} cpu_threads={threads}: "
+        scale = "" if plan.host_lr_scale == 1.0 else f" host_lr_scale={plan.host_lr_scale:g}"
+        announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u}{scale} cpu_threads={threads}: "
                  f"predicted loss {loss} (budget {plan.max_loss_ratio:g}), "
                  f"{plan.prediction.stall_fraction:.1%} stall"
                  + ("" if plan.hides_host_work else " (host work not hidden)")
@@ -195,6 +198,7 @@ class Knobs:
         s = saved.get("select_interval", self.value("select_interval"))
         # A checkpoint from before host_lr_scale existed was trained with Adam's host step: 1.0.
         h = saved.get("host_lr_scale", 1.0)
+        h = "auto" if h is None else h
         self.resolved = self.resolved.replace(
             topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
             select_interval=s if u is not None else self.config.select_interval, host_lr_scale=h,

@@ -44,9 +44,9 @@ class ZenFlowConfig:
     worker_timeout: float = 600.0
     """Seconds step() waits for one host job before declaring the worker hung (RuntimeError)."""
     # Deferred host step (issue 21).
-    host_lr_scale: float = 1.0
+    host_lr_scale: float | Auto = 1.0
     """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
-    step, the default (bench/quality_fair.py measured no better one on every task)."""
+    step, the default; "auto": the autotuner's choice from its quality table (1.0 where it measured no gain)."""
 
     def __post_init__(self) -> None:
         r = self.topk_ratio
@@ -79,12 +79,12 @@ class ZenFlowConfig:
             raise ValueError(f"Invalid worker_timeout: {self.worker_timeout!r}")
         # Deferred host step (issue 21).
         h = self.host_lr_scale
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and h > 0):
-            raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0; 1.0 is Adam's step)")
+        if h != "auto" and (isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and h > 0)):
+            raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0, 1.0 is Adam's step, or 'auto')")
 
     @property
     def is_auto(self) -> bool:
-        return self.topk_ratio == "auto" or self.update_interval == "auto"
+        return self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
 
     def resolved_select_interval(self) -> int:
         """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""

@@ -58,7 +58,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
-        host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step.
+        host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step;
+            "auto": the autotuner's choice.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -88,7 +89,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backend: str = "auto",
         grad_dtype: str = "float32",
         worker_timeout: float = 600.0,
-        host_lr_scale: float = 1.0,
+        host_lr_scale: float | str = 1.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         AdamHyperparams.from_group(defaults, decoupled=self._decoupled)
@@ -235,7 +236,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if windows:
                 # Warm-up windows end at every step, so an open one here is past warm-up: host_lr_scale applies.
                 pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads,
-                                     lr_scale=self._knobs.resolved.host_lr_scale)
+                                     lr_scale=self._knobs.value("host_lr_scale") or 1.0)
             else:
                 pipeline.wait(self.state, merge=True)
 
