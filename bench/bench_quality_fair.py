@@ -38,6 +38,21 @@ def test_smoke_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.
     assert capsys_md.strip() == md.strip()
 
 
+def test_add_to_measures_only_the_missing_configurations(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    assert quality_fair.main(["--smoke", "--out", str(first), "--scales", "1", "--tasks", "finetune", "long"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(second), "--scales", "1", "3",
+                              "--add-to", str(first.with_suffix(".json"))]) == 0
+    one, two = (json.loads(p.with_suffix(".json").read_text()) for p in (first, second))
+    assert [c["name"] for c in two["configs"]] == [c["name"] for c in one["configs"]] + [
+        "ZenFlow overlap s=3", "ZenFlow sequential s=3"]
+    assert two["runs"]["finetune"]["AdamW"] == one["runs"]["finetune"]["AdamW"]  # reused, not rerun
+    assert set(two["runs"]["long"]["ZenFlow sequential s=3"]) == {"0.001", "0.002"}
+    assert two["measured"]["added"][0]["adamw_rerun_equal"]
+    md = second.with_suffix(".md").read_text()
+    assert "added ZenFlow overlap s=3, ZenFlow sequential s=3" in md and "| ZenFlow overlap s=3 |" in md
+
+
 def _doc(losses: dict[str, dict[str, dict[str, float]]], lrs: list[float], seeds: list[int]) -> dict:
     runs = {name: {lr: {s: {"loss": x, "spike": 0.0, "curve": []} for s, x in per_seed.items()}
                    for lr, per_seed in by_lr.items()} for name, by_lr in losses.items()}

@@ -290,6 +290,10 @@ def render(doc: dict, summary: dict) -> str:
         f"- wall {m.get('wall_s', 0):.0f} s; load average (1 min) from {min(loads, default=0):.1f} to "
         f"{max(loads, default=0):.1f} over the run",
         f"- command: `{doc['command']}`",
+        *(f"- added {', '.join(a['configs'])}: {a.get('date')}, revision {a.get('revision')}, wall "
+          f"{a.get('wall_s') or 0:.0f} s, load average {min(a.get('load_average') or [0]):.1f}-"
+          f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
+          for a in m.get("added", [])),
         f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
         f"{doc['select_interval']}; batch {doc['batch']}, weight decay {doc['weight_decay']:g}",
         "- best-to-best: a configuration's lowest mean held-out loss over the lr grid / AdamW's, (min-max) over seeds "
@@ -334,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
+    parser.add_argument("--add-to", type=Path, metavar="JSON",
+                        help="measure only the ZenFlow configurations of --scales that JSON lacks, on its tasks, lrs "
+                             "and seeds, and write JSON plus them to --out (its AdamW runs are reused: they are "
+                             "deterministic, which one rerun checks)")
     args = parser.parse_args(argv)
     if args.report is not None:
         doc = json.loads(args.report.read_text())
@@ -353,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
+    if args.add_to is not None:
+        doc = add_configs(json.loads(args.add_to.read_text()), configs(args.scales), command=command, save=save)
+        print(render(doc, summarize(doc)))
+        return 0
     # The long task runs fewer seeds: it costs 5x a short one.
     per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
     doc = measure(task_list=task_list, config_list=configs(args.scales), seeds=per_task,
@@ -360,6 +372,45 @@ def main(argv: list[str] | None = None) -> int:
                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(render(doc, summarize(doc)))
     return 0
+
+
+def add_configs(prev: dict, wanted: Sequence[Config], *, command: str,
+                save: Callable[[dict], None] | None = None) -> dict:
+    """``prev`` plus the configurations of ``wanted`` it lacks, measured on its tasks, lrs and seeds. AdamW is not
+    rerun (CPU, one thread: deterministic) except once, to check that it reproduces ``prev``."""
+    known = {c["name"] for c in prev["configs"]}
+    new = [c for c in wanted if c.name not in known and not c.is_adamw]
+    task_list = [Task(**dict(t, lrs=tuple(t["lrs"]))) for t in prev["tasks"]]
+    adamw = prev["configs"][0]["name"]
+    seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][f"{t.lrs[0]:g}"]) for t in task_list}
+    check_task = task_list[0]
+    check = measure(task_list=[check_task], config_list=[Config(adamw)],
+                    seeds={check_task.name: seeds[check_task.name][:1]}, topk_ratio=prev["topk_ratio"],
+                    update_interval=prev["update_interval"], command=command, progress=lambda m: None)
+    lr, seed = f"{check_task.lrs[0]:g}", str(seeds[check_task.name][0])
+    again = check["runs"][check_task.name][adamw][lr][seed]["loss"]
+    before = prev["runs"][check_task.name][adamw][lr][seed]["loss"]
+    if again != before:
+        raise RuntimeError(f"AdamW does not reproduce {before} ({again}): cannot reuse its runs")
+    doc = json.loads(json.dumps(prev))
+    doc["configs"] += [dict(c.__dict__) for c in new]
+    doc["command"] = f"{prev['command']} && {command}"
+    added = {"configs": [c.name for c in new], "adamw_rerun_equal": True}
+    doc["measured"].setdefault("added", []).append(added)
+
+    def merge(part: dict) -> None:
+        for t, by_config in part["runs"].items():
+            for name, runs in by_config.items():
+                doc["runs"][t][name] = runs
+        added.update(revision=part["measured"]["revision"], date=part["measured"]["date"],
+                     wall_s=part["measured"].get("wall_s"), load_average=part["measured"]["load_average"])
+        if save is not None:
+            save(doc)
+
+    measure(task_list=task_list, config_list=new, seeds=seeds, topk_ratio=prev["topk_ratio"],
+            update_interval=prev["update_interval"], command=command, save=merge,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return doc
 
 
 if __name__ == "__main__":
