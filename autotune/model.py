@@ -529,7 +529,8 @@ def _host_scale(table: QualityTable, r: float, u: int, overlap: bool, fixed: flo
     tried = [e for e in table.host_scales if e.overlap == overlap and e.update_interval == u
              and math.isclose(e.topk_ratio, r, rel_tol=1e-9)]
     if tried:
-        seen = "; ".join(f"s={e.host_lr_scale:g}: {'/'.join(f'{x:.3f}' for x in e.ratio)}"
+        seen = "; ".join(f"s={e.host_lr_scale:g}: best {'/'.join(f'{x:.3f}' for x in e.ratio)}"
+                         + (f", equal lr up to {max(e.equal_lr_worst):.3f}" if e.equal_lr_worst else "")
                          + ("" if e.stable else ", unstable") for e in tried)
         return 1.0, f"host_lr_scale=1 (Adam's step): no measured scale was better on every task here ({seen})"
     return 1.0, ""

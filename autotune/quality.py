@@ -24,11 +24,14 @@ between them, plus one exact anchor: ``r = 1`` is plain AdamW (DESIGN §3's dege
 ``measured`` (free-form record of where and how); optional ``host_lr_scale``: a list of measured entries, each
 ``{"topk_ratio", "update_interval", "overlap" (bool), "host_lr_scale" (> 0, not 1), "ratio" ([task]: the best loss
 over an lr grid with this scale over the best loss with 1.0, the default), "stable" (bool: no loss spike over the
-long run), "tasks" ([task] names), "source"}`` (``bench/quality_fair.py`` measures them).
+long run), optional "equal_lr_worst" ([task]: the largest ratio of this scale's mean loss over 1.0's at one lr of the
+grid), "tasks" ([task] names), "source"}`` (``bench/quality_fair.py`` measures them).
 
 **The host step's scale** (``host_lr_scale``, DESIGN §3) is chosen from those entries alone, never interpolated:
 :meth:`QualityTable.host_lr_scale` answers a scale only at an exactly measured ``(r, U, overlap)`` where it gave a
-lower best loss on every task and stayed stable, and 1.0 (Adam's step) everywhere else.
+lower best loss on every task, stayed stable and, where ``equal_lr_worst`` is given, was nowhere worse than 1.0 at
+equal lr (the tuner does not choose the lr: a scale that only pays off after the user retunes it is no gain), and
+1.0 (Adam's step) everywhere else.
 """
 
 from __future__ import annotations
@@ -80,11 +83,13 @@ class HostScaleEntry:
     stable: bool
     tasks: tuple[str, ...] = ()
     source: str = ""
+    equal_lr_worst: tuple[float, ...] = ()
+    """Per task: the largest ratio of this scale's loss over 1.0's at one lr of the grid (empty: not measured)."""
 
     @property
     def helps(self) -> bool:
-        """Lower best loss than the default on every task, and no instability."""
-        return self.stable and all(x < 1.0 for x in self.ratio)
+        """Lower best loss than the default on every task, no instability, and nowhere worse at equal lr."""
+        return self.stable and all(x < 1.0 for x in self.ratio) and all(x <= 1.0 for x in self.equal_lr_worst)
 
     @classmethod
     def from_dict(cls, doc: Any) -> HostScaleEntry:
@@ -108,13 +113,20 @@ class HostScaleEntry:
         tasks = tuple(str(t) for t in doc.get("tasks", ()))
         if tasks and len(tasks) != len(ratio):
             raise QualityTableError(f"host_lr_scale entry: {len(tasks)} tasks but {len(ratio)} ratios")
+        try:
+            worst = tuple(float(x) for x in doc.get("equal_lr_worst", ()))
+        except (TypeError, ValueError):
+            worst = (math.nan,)
+        if worst and (len(worst) != len(ratio) or any(not (math.isfinite(x) and x > 0) for x in worst)):
+            raise QualityTableError(f"host_lr_scale entry: 'equal_lr_worst' must be {len(ratio)} positive numbers, "
+                                    f"got {doc['equal_lr_worst']!r}")
         return cls(topk_ratio=r, update_interval=u, overlap=overlap, host_lr_scale=s, ratio=ratio, stable=stable,
-                   tasks=tasks, source=str(doc.get("source", "")))
+                   tasks=tasks, source=str(doc.get("source", "")), equal_lr_worst=worst)
 
     def to_dict(self) -> dict[str, Any]:
         return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval, "overlap": self.overlap,
                 "host_lr_scale": self.host_lr_scale, "ratio": list(self.ratio), "stable": self.stable,
-                "tasks": list(self.tasks), "source": self.source}
+                "tasks": list(self.tasks), "source": self.source, "equal_lr_worst": list(self.equal_lr_worst)}
 
 
 @dataclass(frozen=True)
@@ -280,11 +292,12 @@ class QualityTable:
         if self.command:
             lines.append(f"  regenerate: {self.command}")
         for e in self.host_scales:
-            verdict = "helps: the tuner takes it there" if e.helps else "no gain on every task: 1.0 stays"
+            verdict = "helps: the tuner takes it there" if e.helps else "not a gain everywhere: 1.0 stays"
             tasks = "/".join(e.tasks) if e.tasks else f"{len(e.ratio)} tasks"
+            worst = (f", at equal lr up to {max(e.equal_lr_worst):.3f}x" if e.equal_lr_worst else "")
             lines.append(f"  host_lr_scale={e.host_lr_scale:g} at r={e.topk_ratio:g}, U={e.update_interval}, "
                          f"overlap={'on' if e.overlap else 'off'}: best loss "
-                         f"{'/'.join(f'{x:.3f}' for x in e.ratio)} of 1.0's ({tasks})"
+                         f"{'/'.join(f'{x:.3f}' for x in e.ratio)} of 1.0's ({tasks}){worst}"
                          f"{'' if e.stable else ', unstable'}; {verdict}")
         return "\n".join(lines)
 

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from zenflow_triton import ZenFlowAdamW
+from zenflow_triton.autotune.quality import QualityTable
 from zenflow_triton.demo.charlm import CharLMConfig, evaluate, load_corpora, make_model, pretrained_state, train
 
 __all__ = ["Task", "Config", "tasks", "configs", "measure", "summarize", "render", "spike", "main"]
@@ -239,6 +240,10 @@ def _loss(doc: dict, task: str, config: str, lr: str, seed: str) -> float:
     return math.inf if run["loss"] is None else run["loss"]
 
 
+def _mean_loss(doc: dict, task: str, config: str, lr: str, seeds: list[int]) -> float:
+    return statistics.fmean(_loss(doc, task, config, lr, str(s)) for s in seeds)
+
+
 def _best(doc: dict, task: str, config: str, lrs: list[str], seeds: list[str]) -> tuple[str, float]:
     """(lr, mean loss over seeds) at the lr of the lowest mean."""
     means = {lr: statistics.fmean(_loss(doc, task, config, lr, s) for s in seeds) for lr in lrs}
@@ -277,6 +282,46 @@ def summarize(doc: dict) -> dict:
                           "best_at_grid_edge": lr in (lrs[0], lrs[-1])}
         out[t] = {"seeds": [int(s) for s in seeds], "adamw_best_lr": float(a_lr), "configs": rows}
     return out
+
+
+# A scale is "stable" when its long run's spike at its best lr is at most this much above Adam's host step's at its
+# best lr (same overlap). Measured at 0.1 / 4 (bench/results/quality-fair-2026-12-01.md): batch noise alone puts the
+# spike of every optimizer's long run within a few hundredths of AdamW's.
+SPIKE_TOLERANCE = 0.02
+
+
+def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
+    """The quality table's ``host_lr_scale`` entries (:mod:`zenflow_triton.autotune.quality`): per overlap mode and
+    scale s != 1, each task's best loss with s over the best loss with 1.0, the largest ratio of their mean losses
+    at one lr of the grid, and whether it stayed stable (every run finite, and the long task's spike within
+    :data:`SPIKE_TOLERANCE` of 1.0's)."""
+    entries = []
+    tasks = [t["name"] for t in doc["tasks"] if t["name"] in summary]
+    for c in doc["configs"]:
+        if c["overlap"] is None or c["host_lr_scale"] == 1.0:
+            continue
+        base = next((b["name"] for b in doc["configs"] if b["overlap"] == c["overlap"] and b["host_lr_scale"] == 1.0),
+                    None)
+        if base is None or not tasks:
+            continue
+        rows = [summary[t]["configs"] for t in tasks]
+        finite = all(run["loss"] is not None for t in tasks for by_seed in doc["runs"][t][c["name"]].values()
+                     for run in by_seed.values())
+        spiky = any(r[c["name"]]["spike_at_best"] > r[base]["spike_at_best"] + SPIKE_TOLERANCE
+                    for t, r in zip(tasks, rows) if t == "long")
+        entries.append({
+            "topk_ratio": doc["topk_ratio"], "update_interval": doc["update_interval"], "overlap": c["overlap"],
+            "host_lr_scale": c["host_lr_scale"],
+            "ratio": [round(r[c["name"]]["best_loss"] / r[base]["best_loss"], 4) for r in rows],
+            "equal_lr_worst": [round(max(_mean_loss(doc, t, c["name"], lr, summary[t]["seeds"])
+                                         / _mean_loss(doc, t, base, lr, summary[t]["seeds"])
+                                         for lr in (f"{x:g}" for x in task["lrs"])), 4)
+                               for t, task in ((t["name"], t) for t in doc["tasks"] if t["name"] in summary)],
+            "stable": finite and not spiky, "tasks": tasks,
+            "source": f"bench/quality_fair.py, {doc['measured']['date']}: best held-out loss over lrs "
+                      f"{sorted({lr for t in doc['tasks'] for lr in t['lrs']})}, mean over seeds",
+        })
+    return entries
 
 
 def render(doc: dict, summary: dict) -> str:
@@ -338,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
+    parser.add_argument("--table", type=Path, metavar="QUALITY_JSON",
+                        help="write the measured host_lr_scale entries into this quality table (the autotuner's; "
+                             "with --report: from that JSON)")
     parser.add_argument("--add-to", type=Path, metavar="JSON",
                         help="measure only the ZenFlow configurations of --scales that JSON lacks, on its tasks, lrs "
                              "and seeds, and write JSON plus them to --out (its AdamW runs are reused: they are "
@@ -346,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         doc = json.loads(args.report.read_text())
         print(render(doc, summarize(doc)))
+        if args.table is not None:
+            _write_table(args.table, doc)
         return 0
     if args.out is None:
         parser.error("--out is required unless --report is given")
@@ -363,15 +413,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.add_to is not None:
         doc = add_configs(json.loads(args.add_to.read_text()), configs(args.scales), command=command, save=save)
-        print(render(doc, summarize(doc)))
-        return 0
-    # The long task runs fewer seeds: it costs 5x a short one.
-    per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
-    doc = measure(task_list=task_list, config_list=configs(args.scales), seeds=per_task,
-                  topk_ratio=args.topk_ratio, update_interval=args.update_interval, command=command, save=save,
-                  progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    else:
+        # The long task runs fewer seeds: it costs 5x a short one.
+        per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
+        doc = measure(task_list=task_list, config_list=configs(args.scales), seeds=per_task,
+                      topk_ratio=args.topk_ratio, update_interval=args.update_interval, command=command, save=save,
+                      progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(render(doc, summarize(doc)))
+    if args.table is not None:
+        _write_table(args.table, doc)
     return 0
+
+
+def _write_table(path: Path, doc: dict) -> None:
+    """Replace the quality table's host_lr_scale entries with this run's (validated as the autotuner reads them)."""
+    table = json.loads(path.read_text())
+    table["host_lr_scale"] = host_scale_entries(doc, summarize(doc))
+    QualityTable.from_dict(table, source=str(path))
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def add_configs(prev: dict, wanted: Sequence[Config], *, command: str,

@@ -436,8 +436,8 @@ def test_the_host_lr_scale_is_taken_only_where_the_table_measured_a_gain():
     # The budget is judged on Adam's step's prediction, an upper bound: the scale changes no other choice.
     assert chosen.predicted_loss_ratio == base.predicted_loss_ratio
     seq = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, overlap=False)
-    assert seq.host_lr_scale == 1.0 and "no measured scale was better on every task here (s=2: 0.970/1.020/0.990)" \
-        in seq.reason
+    assert seq.host_lr_scale == 1.0
+    assert "no measured scale was better on every task here (s=2: best 0.970/1.020/0.990)" in seq.reason
     assert plan(prof, w, quality=table, topk_ratio=0.1, update_interval=8).host_lr_scale == 1.0  # not measured
     fixed = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, host_lr_scale=1.0)
     assert fixed.host_lr_scale == 1.0
