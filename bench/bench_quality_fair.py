@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import quality_fair
 
+from zenflow_triton.autotune.quality import DEFAULT_TABLE, load_quality_table
 
-def test_smoke_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_smoke_run_writes_json_markdown_and_table_entries(tmp_path: Path) -> None:
     out = tmp_path / "fair"
     assert quality_fair.main(["--smoke", "--out", str(out), "--scales", "1", "2"]) == 0
     doc = json.loads(out.with_suffix(".json").read_text())
@@ -34,8 +37,22 @@ def test_smoke_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.
     md = out.with_suffix(".md").read_text()
     assert "## long" in md and "| ZenFlow sequential s=2 |" in md and doc["command"] in md
     # --report rebuilds the same Markdown from the JSON alone.
-    capsys_md = quality_fair.render(doc, summary)
-    assert capsys_md.strip() == md.strip()
+    assert quality_fair.render(doc, summary).strip() == md.strip()
+    # --table writes the host_lr_scale entries the autotuner reads into a quality table, the rest unchanged.
+    shipped = resources.files("zenflow_triton.autotune").joinpath(DEFAULT_TABLE).read_text()
+    table = tmp_path / "q.json"
+    table.write_text(shipped)
+    assert quality_fair.main(["--report", str(out.with_suffix(".json")), "--table", str(table)]) == 0
+    entries = load_quality_table(table).host_scales
+    assert [(e.overlap, e.host_lr_scale, e.tasks) for e in entries] == [
+        (True, 2.0, ("finetune", "scratch", "long")), (False, 2.0, ("finetune", "scratch", "long"))]
+    rows = summary["scratch"]["configs"]
+    assert entries[0].ratio[1] == pytest.approx(rows["ZenFlow overlap s=2"]["best_loss"]
+                                                / rows["ZenFlow overlap s=1"]["best_loss"], abs=1e-4)
+    again, before = json.loads(table.read_text()), json.loads(shipped)
+    again.pop("host_lr_scale")
+    before.pop("host_lr_scale", None)
+    assert again == before  # only the entries are replaced
 
 
 def test_add_to_measures_only_the_missing_configurations(tmp_path: Path) -> None:
