@@ -811,6 +811,9 @@ def test_cuda_matches_simulation_every_step(backend: str, overlap: bool) -> None
                              dtype=torch.bfloat16, device="cuda")
     check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=2, select=4, steps=10,
                              device="cuda", grad_dtype="bfloat16")
+    # host_lr_scale: the scaled lr reaches the host job on the CUDA path too (sums shipped on the copy stream).
+    check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=3, select=6, steps=14,
+                             device="cuda", host_lr_scale=2.5)
 
 
 @pytest.mark.gpu
