@@ -234,7 +234,7 @@ def test_matches_simulation_every_step(backend: str, overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_host_lr_scale_matches_simulation(backend: str, overlap: bool) -> None:
     """host_lr_scale=s: the host windows after warm-up step with lr * s (decay included), warm-up and the device's
-    selected columns with lr; the LR scheduler's lr at each window end, flush()'s shortened window too."""
+    selected columns with lr; the LR scheduler's lr at each window end (flush()'s early window: the next test)."""
     _skip_unavailable(backend)
     opt = check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=3, select=6,
                                    steps=17, host_lr_scale=2.5)
@@ -246,8 +246,8 @@ def test_host_lr_scale_matches_simulation(backend: str, overlap: bool) -> None:
 
 
 def test_host_lr_scale_reaches_only_the_host_windows_after_warmup(monkeypatch) -> None:
-    """The lr each host job gets: the group's own (the same object: an int lr stays an int) in warm-up and at the
-    default 1.0, lr * s after warm-up."""
+    """The lr each host job gets: the group's own (an int lr stays an int) in warm-up and at the default 1.0, lr * s
+    after warm-up, flush()'s early window included."""
     def lrs_seen(scale: float) -> list:
         seen: list = []
         real = zpipe.run_host_job
@@ -260,14 +260,15 @@ def test_host_lr_scale_reaches_only_the_host_windows_after_warmup(monkeypatch) -
         w = nn.Parameter(torch.randn(32, 128))
         with ZenFlowAdamW([w], lr=1, topk_ratio=0.25, update_interval=2, warmup_steps=2, overlap=False,
                           host_lr_scale=scale) as opt:
-            for _ in range(6):
+            for _ in range(7):
                 w.grad = torch.randn(32, 128)
                 opt.step()
+            opt.flush()  # ends the open window (tau = 5) early: a host window after warm-up like any other
         return seen
 
     default = lrs_seen(1.0)
-    assert default == [1, 1, 1, 1] and all(type(x) is int for x in default)
-    assert lrs_seen(1.5) == [1, 1, 1.5, 1.5]
+    assert default == [1, 1, 1, 1, 1] and all(type(x) is int for x in default)
+    assert lrs_seen(1.5) == [1, 1, 1.5, 1.5, 1.5]
 
 
 def test_simulation_adam_l2_bf16_and_clipping() -> None:

@@ -69,7 +69,8 @@ def announce(message: str, log: logging.Logger = choice_logger) -> None:
 
 
 class Knobs:
-    """``topk_ratio``, ``update_interval``, ``select_interval`` and ``cpu_threads`` as the optimizer uses them.
+    """``topk_ratio``, ``update_interval``, ``select_interval``, ``cpu_threads`` and ``host_lr_scale`` as the optimizer
+    uses them.
 
     ``config`` is the user's; ``warmup`` the warm-up steps (at least :data:`AUTO_WARMUP_STEPS` with ``"auto"``);
     ``plan`` the autotuner's :class:`~zenflow_triton.autotune.Plan` once made (None for fixed knobs).
