@@ -112,6 +112,7 @@ def plan_for_optimizer(
     targets: Targets | None = None,
     max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO,
     quality: QualityTable | str | Path | None = None,
+    host_lr_scale: float | None = None,
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
 
@@ -123,7 +124,8 @@ def plan_for_optimizer(
     when the user set them. ``targets``: the chooser's goals and bounds (None: :class:`Targets` with the config's
     ``DEFAULT_SELECT_WINDOWS``); ``max_loss_ratio``, the quality budget (predicted held-out loss over AdamW's at
     equal steps), replaces ``targets.max_loss_ratio``. ``quality``: a quality table or its path (None:
-    ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table).
+    ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table). ``host_lr_scale``: the user's, or None to choose
+    (from the quality table's measured entries, DESIGN §8).
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
@@ -162,7 +164,7 @@ def plan_for_optimizer(
     table = quality if isinstance(quality, QualityTable) else quality_table_for(quality)
     result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
                   cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
-                  quality=table, profile_source=source,
+                  quality=table, profile_source=source, host_lr_scale=host_lr_scale,
                   relax_hint="fix topk_ratio and update_interval yourself to trade quality for speed "
                              "(`python -m zenflow_triton.autotune --max-loss-ratio` shows the trade)")
     logger.debug("zenflow_triton autotune plan (%s):\n%s", source, result.reason)

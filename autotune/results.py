@@ -81,11 +81,13 @@ class Plan:
     quality_source: str = ""
     predicted_loss_spread: tuple[float, float] | None = None
     """(min, max) of the loss ratio over the quality table's seeds, interpolated like the ratio."""
+    host_lr_scale: float = 1.0
+    """The host step's lr scale (DESIGN §3): 1.0 unless the quality table measured a better one at this setting."""
 
     def config_fields(self) -> dict[str, Any]:
         """The choice as ZenFlowConfig fields: ``config.replace(**plan.config_fields())``."""
         return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval,
-                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype}
+                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype, "host_lr_scale": self.host_lr_scale}
 
     def summary(self) -> dict[str, Any]:
         """The plan as every output carries it, under the same names: the CLI's table and ``--json``, the plot and
@@ -96,6 +98,7 @@ class Plan:
             "update_interval": self.update_interval,
             "select_interval": p.select_interval,
             "cpu_threads": self.cpu_threads,
+            "host_lr_scale": self.host_lr_scale,
             "predicted_loss_ratio": self.predicted_loss_ratio,
             "max_loss_ratio": self.max_loss_ratio,
             "loss_budget_met": self.loss_budget_met,
