@@ -101,7 +101,7 @@ def test_config_and_stats() -> None:
 
 
 def test_adder_failure_surfaces_at_next_step(monkeypatch) -> None:
-    import zenflow_triton.pipeline as zpipe
+    import zenflow_triton.host_sums as zsums
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4, min_offload_numel=MIN_OFFLOAD,
@@ -110,10 +110,10 @@ def test_adder_failure_surfaces_at_next_step(monkeypatch) -> None:
     def broken(items, ready, num_threads):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(zpipe, "run_add_job", broken)
+    monkeypatch.setattr(zsums, "run_add_job", broken)
     loss_fn(model, 0).backward()
     opt.step()
-    opt._pipeline._last_add.exception(timeout=10)  # let the failing add finish
+    opt._pipeline._sums.last.exception(timeout=10)  # let the failing add finish
     with pytest.raises(RuntimeError, match="adder") as info:
         opt.step()
     assert isinstance(info.value.__cause__, OSError)
@@ -137,9 +137,9 @@ def test_close_stops_the_adder_and_state_dict_waits_for_it() -> None:
     unsel = opt._pipeline.records[p].masks.unselected.bool()
     assert saved["acc_count"] == 2
     assert torch.equal(saved["acc"].view(48, 32)[:, unsel], want.view(48, 32)[:, unsel])
-    adder = opt._pipeline._adder
+    adder = opt._pipeline._sums.adder
     opt.close()
-    assert not adder.alive and opt._pipeline._adder is None
+    assert not adder.alive and opt._pipeline._sums is None
 
 
 def _run(total: int, at: int | None, before: str, after: str, overlap: bool):
@@ -231,7 +231,7 @@ def test_a_slow_adder_is_waited_for_as_stall_and_changes_nothing(monkeypatch) ->
     the results stay bit for bit those of accumulate="device"."""
     import time
 
-    import zenflow_triton.pipeline as zpipe
+    import zenflow_triton.host_sums as zsums
 
     models, opts = _pair(torch.float32, "numba", True)
     steps = 7  # two warm-up steps (one-step windows read the gradient in place: no add), then five adds
@@ -241,14 +241,14 @@ def test_a_slow_adder_is_waited_for_as_stall_and_changes_nothing(monkeypatch) ->
         loss_fn(models[0], i).backward()
         opts[0].step()
         want.append([p.detach().clone() for p in models[0].parameters()])
-    real = zpipe.run_add_job
+    real = zsums.run_add_job
     delay = 0.6  # several times a step of this model (~0.1 s here)
 
     def slow(items, ready, num_threads):
         time.sleep(delay)
         return real(items, ready, num_threads)
 
-    monkeypatch.setattr(zpipe, "run_add_job", slow)
+    monkeypatch.setattr(zsums, "run_add_job", slow)
     for i in range(steps):
         opts[1].zero_grad()
         loss_fn(models[1], i).backward()

@@ -20,24 +20,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .config import ZenFlowConfig
+from .host_jobs import HostItem, Window, compile_host_kernels, run_host_job
 from .host_memory import HostSlab
-from .kernels import AdamHyperparams, DeviceOps, load_device_ops
+from .host_sums import HostSums
+from .kernels import DeviceOps, load_device_ops
 from .sharding import local
-from .state import DEVICE_KEYS, OffloadedParam, allocate, init_offloaded, load_offloaded
+from .state import OffloadedParam, allocate, device_state_bytes, init_offloaded, load_offloaded, rehome
+from .telemetry import Stats
 from .worker import HostWorker, WorkerError, host_thread_share
 
-__all__ = ["HostItem", "Pipeline", "Stats", "Window", "run_host_job"]
+# HostItem, Window, Stats and run_host_job live in rooms of their own (host_jobs, telemetry); named here too, as
+# before.
+__all__ = ["HostItem", "Pipeline", "Stats", "Window", "compile_host_kernels", "run_host_job"]
 
 State = MutableMapping[torch.Tensor, dict[str, Any]]
 
@@ -49,151 +52,12 @@ _COMPILE_NOTICE_S = 2.0
 _host_kernels_requested = False
 
 
-@dataclass
-class Stats:
-    """Counters behind ``ZenFlowAdamW.stats()`` (DESIGN §7), shared by the optimizer and its pipeline."""
-
-    steps: int = 0
-    windows: int = 0
-    selections: int = 0
-    stall_s: float = 0.0
-    host_job_s: float = 0.0
-    device_opt_s: float = 0.0
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    selected_energy_fraction: float = float("nan")
-    columns_changed_last_selection: int = 0
-    stall_at_plan: float = 0.0
-    windows_at_plan: int = 0
-    compile_s: float = 0.0  # the host kernels' first load (numba compiles them once per machine), not stall
-
-    def per_step(self) -> dict[str, float]:
-        """Per-step views: the mean time a ``step()`` call took (all of it: device work or its launches, and the
-        wait for the host) and the part of it that was waiting."""
-        n = self.steps
-        return {"ms_per_step": 1e3 * (self.device_opt_s + self.stall_s) / n if n else 0.0,
-                "stall_ms_per_step": 1e3 * self.stall_s / n if n else 0.0}
-
-    def mark_plan(self) -> None:
-        """The "auto" plan was made now: its measured stall counts from here (warm-up windows wait synchronously by
-        design; the prediction is about the windows that follow)."""
-        self.stall_at_plan, self.windows_at_plan = self.stall_s, self.windows
-
-    def record_selection(self, picks: Sequence[Any], *, measured: bool) -> None:
-        """Count one selection step from its per-parameter :class:`~zenflow_triton.columns.Reselection`\\ s
-        (``measured``: whether scores were kept; with topk_ratio=0 nothing is selected, whatever the energy)."""
-        self.selections += 1
-        self.d2h_bytes += sum(sel.d2h_bytes for sel in picks)
-        self.h2d_bytes += sum(sel.h2d_bytes for sel in picks)
-        energy_all = sum(sel.energy_all for sel in picks)
-        energy_sel = sum(sel.energy_selected for sel in picks)
-        if not measured:
-            self.selected_energy_fraction = 0.0
-        else:
-            self.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
-        self.columns_changed_last_selection = sum(sel.columns_changed for sel in picks)
-
-
-@dataclass(frozen=True)
-class Window:
-    """One parameter's window ending at this step: its group's hyperparameters now, and the gradient to apply when
-    the host reads this step's gradient in place (:meth:`Pipeline.takes_gradient`), else None (the sum is in acc)."""
-
-    param: torch.Tensor
-    hp: AdamHyperparams
-    grad: torch.Tensor | None = None
-
-
-@dataclass
-class HostItem:
-    """One parameter's share of a host job: host buffers and the hyperparameters captured at the window end."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    grad: torch.Tensor
-    slot: torch.Tensor
-    unselected: torch.Tensor
-    col_step: torch.Tensor
-    snapshot: torch.Tensor | None
-    count: int
-    hp: AdamHyperparams
-    cancelled: threading.Event | None = None  # the worker's: set when the job overran its timeout
-
-
-def compile_host_kernels() -> float:
-    """The worker's first job: load the host kernels (numba compiles them on first use on a machine, ~15 s, then
-    loads them from its cache). Returns seconds spent."""
-    start = time.perf_counter()
-    from .kernels import cpu_adamw
-
-    cpu_adamw.host_adamw_(*(torch.zeros(1, 1) for _ in range(4)), count=1, slot=torch.full((1,), -1, dtype=torch.int32),
-                          col_step=torch.ones(1, dtype=torch.int32),
-                          hp=AdamHyperparams(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
-                          num_threads=1)
-    return time.perf_counter() - start
-
-
-@dataclass
-class AddItem:
-    """accumulate="host": one parameter's share of one step's add job, ``dst (+)= src`` (``accumulate``)."""
-
-    dst: torch.Tensor  # the open window's fp32 sum (host)
-    src: torch.Tensor  # this step's landed gradient (host)
-    accumulate: bool
-
-
-def run_add_job(items: list[AddItem], ready: torch.cuda.Event | None, num_threads: int) -> float:
-    """The adder's body for one step (accumulate="host"): each landed gradient into its window sum."""
-    from .kernels.host_accumulate import host_accumulate_
-
-    start = time.perf_counter()
-    if ready is not None:
-        ready.synchronize()  # the landing slots are filled by an asynchronous device-to-host copy
-    for it in items:
-        host_accumulate_(it.dst, it.src, accumulate=it.accumulate, num_threads=num_threads)
-    return time.perf_counter() - start
-
-
-def compile_accumulate_kernel() -> None:
-    """The adder's first job: load the add kernel (numba compiles it on a machine's first use)."""
-    from .kernels.host_accumulate import host_accumulate_
-
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        host_accumulate_(torch.zeros(1), torch.zeros(1, dtype=dtype), accumulate=True, num_threads=1)
-
-
 def run_host_job_after(after: Future, items: list[HostItem], ready: Sequence[torch.cuda.Event],
                        num_threads: int) -> float:
     """accumulate="host": :func:`run_host_job` once ``after``, the adder's last job, has completed the window
     sums it reads (an exception there fails this job too, and surfaces at the next ``step()``)."""
     after.result()
     return run_host_job(items, ready, num_threads)
-
-
-def run_host_job(items: list[HostItem], ready: Sequence[torch.cuda.Event], num_threads: int) -> float:
-    """The worker's body for one window: AdamW on every item's unselected columns. Returns seconds spent.
-    ``ready``: CUDA events to wait for first (the window sums' device-to-host copies, and the last merge's
-    host-to-device copies, which read the host arrays this job writes). Once an item's ``cancelled`` is set (the
-    job overran worker_timeout) it writes nothing more: it stops before its next item, so a parameter that the user
-    restored after the timeout stays as restored (an item being written finishes)."""
-    # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
-    from .kernels.cpu_adamw import host_adamw_
-
-    start = time.perf_counter()
-    for event in ready:
-        # The gradient landing buffers are filled by an asynchronous device-to-host copy; reading them before it
-        # completes would see the previous window's bytes. And the snapshot (or master) this job writes is the
-        # source of the last merge's host-to-device copies, which must have read it first.
-        event.synchronize()
-    for it in items:
-        if it.cancelled is not None and it.cancelled.is_set():
-            break
-        # Each column's bias correction counts its own updates: one more for every column updated here.
-        it.col_step.add_(it.unselected)
-        host_adamw_(it.master, it.exp_avg, it.exp_avg_sq, it.grad, count=it.count, slot=it.slot,
-                    col_step=it.col_step, hp=it.hp, snapshot=it.snapshot, num_threads=num_threads)
-    return time.perf_counter() - start
 
 
 class Pipeline:
@@ -225,10 +89,6 @@ class Pipeline:
         self._d2h_stream: torch.cuda.Stream | None = None
         self._h2d_stream: torch.cuda.Stream | None = None
         self._h2d_queued = False
-        # CUDA, accumulate="host": the event after the last per-step gradient copy. The model may reuse a gradient's
-        # memory in place (zero_grad(set_to_none=False), then backward), on the compute stream, which must wait for
-        # that copy first (release_gradients).
-        self._grads_read: torch.cuda.Event | None = None
         self._device: torch.device | None = None  # the CUDA device of the parameters, once known
         # Tests only (tests/test_gpu_stress.py): torch.cuda._sleep cycles injected on the copy stream before the
         # window's device-to-host copies ("d2h") and before each merge copy ("h2d"), and on the compute stream
@@ -243,17 +103,10 @@ class Pipeline:
         # The worker stops when the optimizer is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.worker.close)
         # accumulate="host" (DESIGN §4, §5): "device" or "host" once the parameters' device is known (None before),
-        # why, and the adder: a second thread that adds each step's landed gradients into the host window sums, so
-        # that a window's AdamW job (on the worker) never holds up the next window's adds. Its jobs per landing
-        # slot (two slots, alternating by step), and the last one.
+        # why, and the adder and its per-step state (:class:`.HostSums`), made then.
         self.accumulate: str | None = None
         self.accumulate_reason = ""
-        self._adder: HostWorker | None = None
-        self._adder_finalizer: Any = None
-        self._adds: list[Future | None] = [None, None]
-        self._add_slot = 0
-        self._last_add: Future | None = None
-        self._scratch: torch.Tensor | None = None  # see step_sum
+        self._sums: HostSums | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -290,9 +143,9 @@ class Pipeline:
             exc = job.exception()
             self.failure = exc
             raise RuntimeError("the host worker failed during an earlier window") from exc
-        add = self._last_add
+        add = self._sums.last if self._sums is not None else None
         if add is not None and add.done() and add.exception() is not None:
-            self._last_add = None
+            self._sums.last = None
             self.failure = add.exception()
             raise RuntimeError("the host adder failed during an earlier step") from self.failure
 
@@ -313,11 +166,9 @@ class Pipeline:
             self.closed = True
             self.worker.close(self.config.worker_timeout)
             self._finalizer.detach()
-            if self._adder is not None:
-                self._adder.close(self.config.worker_timeout)
-                self._adder_finalizer.detach()
-                self._adder = None
-            self._adds, self._last_add, self._scratch = [None, None], None, None
+            if self._sums is not None:
+                self._sums.close(self.config.worker_timeout)
+                self._sums = None
             if self._device is not None:
                 # Queued copies read and write slab pages (copy stream) and merges read staging (compute stream):
                 # the pages may be unregistered and unmapped only once no queued work can touch them. Every stream
@@ -329,52 +180,33 @@ class Pipeline:
             self.records.clear()
             self._staging.clear()
             self._bf16_landing = None
-            self._d2h_stream = self._h2d_stream = self._grads_read = None
+            self._d2h_stream = self._h2d_stream = None
             self._job = None
 
     def device_bytes(self, state: State) -> int:
         """Bytes this optimizer holds on the device for its offloaded parameters, beyond the weights and their
         ``.grad``: the device state entries (``acc`` unless accumulate="host", the compact selected state, the
         per-column vectors) and the pipeline's buffers (staging, bf16 rounding, scratch, score deltas)."""
-        total = 0
-        for p, rec in self.records.items():
-            st = state.get(p, {})
-            for key in DEVICE_KEYS:
-                t = st.get(key)
-                if key not in rec.host and isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-            if rec._score_delta is not None:
-                total += rec._score_delta.numel() * 4
+        total = device_state_bytes(self.records, state)
         buffers = [entry[0] for ring in self._staging.values() for entry in ring]
-        buffers += [self._bf16_landing, self._scratch]
+        buffers += [self._bf16_landing] + (self._sums.buffers() if self._sums is not None else [])
         return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
     def report(self, state: State | None = None) -> dict[str, Any]:
         """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
         parameter's rows here); ``offloaded_params`` counts whole parameters."""
-        s, records, slabs = self.stats, self.records, self.slabs
+        records, slabs = self.records, self.slabs
         total_cols = sum(rec.cols for rec in records.values())
         selected_cols = sum(rec.cols - rec.masks.num_unselected for rec in records.values())
         local_numel = sum(rec.rows * rec.cols for rec in records.values())
         host_bytes = sum(slab.nbytes for slab in slabs)
         return {
-            "steps": s.steps,
-            "windows": s.windows,
-            "selections": s.selections,
-            "stall_s": s.stall_s,
-            "host_job_s": s.host_job_s,
-            "device_opt_s": s.device_opt_s,
-            "compile_s": s.compile_s,
-            "d2h_bytes": s.d2h_bytes,
-            "h2d_bytes": s.h2d_bytes,
+            **self.stats.counters(),
             "selected_fraction": selected_cols / total_cols if total_cols else 0.0,
-            "selected_energy_fraction": s.selected_energy_fraction,
-            "columns_changed_last_selection": s.columns_changed_last_selection,
             "pinned_bytes": sum(slab.nbytes for slab in slabs if slab.pinned),
             "host_bytes": host_bytes,
             "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
             "offloaded_params": sum(p.numel() for p in records),
-            "measured_stall_per_window_s": s.stall_s / s.windows if s.windows else 0.0,
             "accumulate": self.accumulate,
             "accumulate_reason": self.accumulate_reason,
             "device_bytes_per_param": (self.device_bytes(state) / local_numel if state is not None and local_numel
@@ -449,13 +281,7 @@ class Pipeline:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
             self.accumulate, self.accumulate_reason = self._place_sums(params)
             if self.accumulate == "host":
-                self._adder = HostWorker(name="zenflow-add")
-                self._adder_finalizer = weakref.finalize(self, self._adder.close)
-                if device.type == "cuda":
-                    self._adder.use_device(device)
-                # Load (or compile, on a machine's first run) the add kernel while the first steps run; the adder
-                # runs jobs in order, so the first add waits for it.
-                self._adder.submit(compile_accumulate_kernel)
+                self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
                             host_sums=self.accumulate == "host")
@@ -473,92 +299,29 @@ class Pipeline:
 
     def step_sum(self, p: torch.Tensor, st: dict[str, Any], grad: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
         """What the fused step writes its unselected columns into, for this step of ``p``: ``(acc, accumulate,
-        alone)``. On the device path, ``state["acc"]``, added into after a window's first step. With
-        accumulate="host" the kernel has no sum to keep: an fp32 gradient is its own target (``acc = g`` writes
-        every unselected element back unchanged); any other dtype writes into one scratch buffer the size of the
-        largest parameter, which nothing reads, launched ``alone`` so that no two launches share it at once."""
-        if not self.host_sums:
+        alone)``. On the device path, ``state["acc"]``, added into after a window's first step; with
+        accumulate="host", :meth:`.HostSums.step_sum`."""
+        if self._sums is None:
             return st["acc"], st["acc_count"] > 0, False
-        if grad.dtype == torch.float32:
-            return grad, False, False
-        numel = grad.numel()
-        if self._scratch is None or self._scratch.numel() < numel:
-            self._scratch = None  # freed first: the allocator may reuse it, in stream order
-            self._scratch = torch.empty(numel, dtype=torch.float32, device=grad.device)
-        return self._scratch[:numel].view(grad.shape), False, True
+        return self._sums.step_sum(grad)
 
     def land(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], state: State, *,
              cpu_threads: int) -> None:
-        """accumulate="host", after this step's fused kernels: copy each ``(p, grad, accumulate)``'s gradient into
-        the next landing slot (device-to-host on the copy stream; a plain copy on CPU tensors) and submit the add
-        into its window sum to the adder. Waits (stall) only when the slot's previous add, two steps ago, still
-        reads it."""
-        slot = self._add_slot
-        self._add_slot ^= 1
-        previous = self._adds[slot]
-        if previous is not None:
-            self._wait_job(previous, self._adder, stall=True)
-            self._adds[slot] = None
-        device = landed[0][0].device
-        ready = None
-        if device.type == "cuda":
-            ready = self._land_on_copy_stream(landed, slot)
-        else:
-            # The training thread copies: the gradient may change (zero_grad, the next backward) before the adder
-            # runs, and a copy here costs one read and one write, like the device-to-host copy it stands for.
-            for p, grad, _ in landed:
-                self.records[p].slots[slot].view(grad.shape).copy_(grad)
-        items = []
-        for p, _, accumulate in landed:
-            rec = self.records[p]
-            dst = state[p]["acc"]
-            items.append(AddItem(dst=dst, src=rec.slots[slot], accumulate=accumulate))
-            self.stats.d2h_bytes += rec.slots[slot].numel() * rec.slots[slot].element_size()
+        """accumulate="host", after this step's fused kernels: each ``(p, grad, accumulate)``'s gradient to the host
+        and its add into the window sum (:meth:`.HostSums.land`; a wait for a landing slot counts as stall)."""
         try:
-            future = self._adder.submit(run_add_job, items, ready, cpu_threads)
+            self._sums.land(landed, self.records, state, self.stats, cpu_threads=cpu_threads,
+                            wait=lambda job, worker: self._wait_job(job, worker, stall=True), copy_stream=self._d2h,
+                            test_delays=self.test_delays)
         except WorkerError as exc:
             self.failure = exc
             raise
-        self._adds[slot] = self._last_add = future
-
-    def _land_on_copy_stream(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]],
-                             slot: int) -> torch.cuda.Event:
-        """CUDA, accumulate="host": this step's gradients to landing slot ``slot`` on the copy stream, after the
-        compute stream's fused kernels (with grad_dtype="bfloat16", each rounded first into one reused buffer, as
-        in _ship_sums). The event marks their end."""
-        device = landed[0][0].device
-        compute = torch.cuda.current_stream(device)
-        copy = self._d2h(device)
-        copy.wait_stream(compute)
-        with torch.cuda.stream(copy):
-            if self.test_delays.get("d2h"):
-                torch.cuda._sleep(self.test_delays["d2h"])
-            for p, grad, _ in landed:
-                dst = self.records[p].slots[slot]
-                src = grad
-                if dst.dtype != grad.dtype:  # grad_dtype="bfloat16": this step's gradient rounded to bf16
-                    numel = grad.numel()
-                    if self._bf16_landing is None or self._bf16_landing.numel() < numel:
-                        self._bf16_landing = None
-                        self._bf16_landing = torch.empty(numel, dtype=torch.bfloat16, device=device)
-                    src = self._bf16_landing[:numel].view(grad.shape)
-                    src.copy_(grad)
-                dst.view(grad.shape).copy_(src, non_blocking=True)
-                # The gradient is read on this stream: if the model frees it (zero_grad), its memory must not be
-                # handed out again before this stream is past the read.
-                grad.record_stream(copy)
-            ready = torch.cuda.Event(blocking=True)
-            ready.record(copy)
-        self._grads_read = ready
-        return ready
 
     def release_gradients(self) -> None:
-        """Before gradients are changed in place (``zero_grad(set_to_none=False)``): with accumulate="host" on CUDA,
-        the compute stream waits for the last per-step copy that reads them. A gradient set to None needs nothing
-        (the copy stream holds its memory: record_stream)."""
-        event, self._grads_read = self._grads_read, None
-        if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
+        """Before gradients are changed in place (``zero_grad(set_to_none=False)``): see
+        :meth:`.HostSums.release_gradients`."""
+        if self._sums is not None:
+            self._sums.release_gradients(self._device)
 
     def _d2h(self, device: torch.device) -> torch.cuda.Stream:
         if self._d2h_stream is None:
@@ -581,12 +344,9 @@ class Pipeline:
         return (event,)
 
     def _wait_adds(self) -> None:
-        """accumulate="host": wait for every add submitted so far (the adder runs its jobs in order)."""
-        last = self._last_add
-        if last is not None:
-            self._wait_job(last, self._adder, stall=True)
-            self._last_add = None
-            self._adds = [None, None]
+        """accumulate="host": wait for every add submitted so far (stall)."""
+        if self._sums is not None:
+            self._sums.wait_all(lambda job, worker: self._wait_job(job, worker, stall=True))
 
     def _wait_job(self, job: Future, worker: HostWorker, *, stall: bool) -> None:
         start = time.perf_counter()
@@ -599,25 +359,8 @@ class Pipeline:
     # ------------------------------------------------------------------ the schedule's calls
 
     def rehome(self, state: State) -> None:
-        """Undo what state movers did (Lightning moves every tensor of ``optimizer.state`` to the model's device after
-        loading a checkpoint, and to the CPU at the end of ``fit``): host entries point back at their slab views,
-        device entries go back to the parameter's device. A mover copies, it never changes values, and the slab
-        view may be newer than a copy taken while a host job ran, so host entries are rebound, not copied back;
-        write state through ``load_state_dict()``."""
-        for p, rec in self.records.items():
-            st = state[p]
-            data = local(p)
-            on_host = rec.host
-            if rec.master_is_param and rec.host["host_master"].data_ptr() != data.data_ptr():
-                # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
-                # plain torch optimizer would read them, instead of updates landing in memory the model let go.
-                rec.host["host_master"] = data.detach().view(rec.rows, rec.cols)
-            for key, home in rec.host.items():
-                if st[key] is not home:
-                    st[key] = home
-            for key in DEVICE_KEYS:
-                if key not in on_host and st[key].device != p.device:
-                    st[key] = st[key].to(p.device)
+        """Undo what state movers did (:func:`.state.rehome`)."""
+        rehome(self.records, state)
 
     def begin_step(self, p: torch.Tensor, st: dict[str, Any]) -> None:
         """Before ``p`` steps: make its buffers safe to use for this step."""
@@ -656,8 +399,9 @@ class Pipeline:
         if sync and self.config.cpu_threads is None:
             threads = max(threads, host_thread_share())
         try:
-            if self._last_add is not None:
-                future = self.worker.submit(run_host_job_after, self._last_add, items, events, threads)
+            last_add = self._sums.last if self._sums is not None else None
+            if last_add is not None:
+                future = self.worker.submit(run_host_job_after, last_add, items, events, threads)
             else:
                 future = self.worker.submit(run_host_job, items, events, threads)
         except WorkerError as exc:

@@ -35,10 +35,12 @@ __all__ = [
     "HOST_KEYS",
     "OffloadedParam",
     "allocate",
+    "device_state_bytes",
     "init_offloaded",
     "init_resident",
     "load_offloaded",
     "load_resident",
+    "rehome",
     "step_resident_",
 ]
 
@@ -235,3 +237,40 @@ def step_resident_(state: Mapping[torch.Tensor, dict[str, Any]],
                 [local(p) for p in ps], [local(p.grad) for p in ps], [local(st["exp_avg"]) for st in sts],
                 [local(st["exp_avg_sq"]) for st in sts], step=step, hp=hp,
             )
+
+
+def rehome(records: Mapping[torch.Tensor, OffloadedParam], state: MutableMapping[torch.Tensor, dict[str, Any]]) -> None:
+    """Undo what state movers did (Lightning moves every tensor of ``optimizer.state`` to the model's device after
+    loading a checkpoint, and to the CPU at the end of ``fit``): host entries point back at their slab views,
+    device entries go back to the parameter's device. A mover copies, it never changes values, and the slab
+    view may be newer than a copy taken while a host job ran, so host entries are rebound, not copied back;
+    write state through ``load_state_dict()``."""
+    for p, rec in records.items():
+        st = state[p]
+        data = local(p)
+        on_host = rec.host
+        if rec.master_is_param and rec.host["host_master"].data_ptr() != data.data_ptr():
+            # The parameter got new storage (``p.data = ...``): its values are the master from now on, as a
+            # plain torch optimizer would read them, instead of updates landing in memory the model let go.
+            rec.host["host_master"] = data.detach().view(rec.rows, rec.cols)
+        for key, home in rec.host.items():
+            if st[key] is not home:
+                st[key] = home
+        for key in DEVICE_KEYS:
+            if key not in on_host and st[key].device != p.device:
+                st[key] = st[key].to(p.device)
+
+
+def device_state_bytes(records: Mapping[torch.Tensor, OffloadedParam], state: Mapping[Any, Mapping[str, Any]]) -> int:
+    """Bytes of the offloaded parameters' state entries on the device (``acc`` unless accumulate="host", the
+    compact selected state, the per-column vectors) and of their score buffers (sharded parameters)."""
+    total = 0
+    for p, rec in records.items():
+        st = state.get(p, {})
+        for key in DEVICE_KEYS:
+            t = st.get(key)
+            if key not in rec.host and isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+        if rec._score_delta is not None:
+            total += rec._score_delta.numel() * 4
+    return total
