@@ -45,7 +45,7 @@ def saved_profile(tmp_path):
 
 
 def stats(windows: int = 0, stall_s: float = 0.0) -> SimpleNamespace:
-    """What Knobs.report reads of the optimizer's counters (zenflow_triton.pipeline.Stats)."""
+    """What Knobs.report reads of the optimizer's counters (zenflow_triton.telemetry.Stats)."""
     return SimpleNamespace(windows=windows, stall_s=stall_s, windows_at_plan=0, stall_at_plan=0.0)
 
 

@@ -39,7 +39,9 @@ from .params import (
     offloads,
     warn_kept_resident,
 )
-from .pipeline import Pipeline, Stats, Window
+from .host_jobs import Window
+from .pipeline import Pipeline
+from .telemetry import Stats
 from .sharding import add_summed_scores_, local
 from .state import init_resident, step_resident_
 
