@@ -28,6 +28,7 @@ from .auto import AUTO_WARMUP_STEPS, Knobs
 from .columns import reselect_many_
 from .config import ZenFlowConfig
 from .gradients import GradientClipper
+from .host_jobs import Window
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops
 from .params import (
     check_betas_pair,
@@ -39,11 +40,10 @@ from .params import (
     offloads,
     warn_kept_resident,
 )
-from .host_jobs import Window
 from .pipeline import Pipeline
-from .telemetry import Stats
 from .sharding import add_summed_scores_, local
 from .state import init_resident, step_resident_
+from .telemetry import Stats
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
 
