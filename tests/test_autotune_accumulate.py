@@ -239,3 +239,55 @@ def test_cli_moves_the_sum_to_the_host_when_the_budget_is_short(profiles, capsys
     (p,) = json.loads(out)["plans"]
     assert p["accumulate"] == "device" and p["accumulate_reason"] == "fixed by the caller"
     assert "expect out-of-memory" in p["reason"]  # 28 GB of sum alone
+
+
+# ------------------------------------------------------------------------------------------ the optimizer
+
+
+def test_the_bridge_budgets_the_sum_only_where_the_optimizer_holds_it(monkeypatch):
+    from zenflow_triton.autotune import bridge
+
+    free = 64 * 2**30
+    seen = []
+    real_plan = bridge.plan
+
+    def capture(profile, workload, **kw):
+        seen.append((workload.memory_budget_bytes, kw["accumulate"]))
+        return real_plan(profile, workload, **kw)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    monkeypatch.setattr(bridge, "plan", capture)
+    for mode in ("device", "host"):
+        got = bridge.plan_for_optimizer(offloaded_shapes=SHAPES, param_dtype=torch.bfloat16, grad_dtype="float32",
+                                        step_time_s=0.5, device="cuda", topk_ratio=None, update_interval=None,
+                                        profile=gpu_profile(), accumulate=mode)
+        assert got.accumulate == got.prediction.accumulate == mode
+    # With "device" the optimizer already holds the sums when it plans, so they count as free for its state.
+    assert seen == [(0.9 * free + 4 * N, "device"), (0.9 * free, "host")]
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_the_optimizers_auto_plan_predicts_the_mode_it_placed(monkeypatch, mode):
+    import zenflow_triton.autotune as autotune
+    from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
+
+    real = autotune.plan_for_optimizer
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return real(profile=synthetic_profile(), **kw)
+
+    monkeypatch.setattr(autotune, "plan_for_optimizer", fake)
+    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128, bias=False)
+    with ZenFlowAdamW(model.parameters(), accumulate=mode, topk_ratio="auto", update_interval="auto") as opt:
+        for _ in range(7):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        plan = opt._knobs.plan
+        assert opt.stats()["accumulate"] == mode
+    assert plan is not None and [c["accumulate"] for c in calls] == [mode]
+    assert plan.accumulate == plan.prediction.accumulate == mode

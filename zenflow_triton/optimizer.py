@@ -554,7 +554,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _plan_auto(self) -> None:
         records = self._pipeline.records
         self._knobs.resolve(offloaded_shapes=[(rec.rows, rec.cols) for rec in records.values()],
-                            param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"))
+                            param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"),
+                            accumulate=self._pipeline.accumulate or "device")
         # Warm-up windows wait synchronously by design; the prediction is about the windows that follow.
         self._stats.stall_at_plan = self._stats.stall_s
         self._stats.windows_at_plan = self._stats.windows
