@@ -453,7 +453,7 @@ def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, qualit
     for i, r in enumerate(rs):
         for j, u in enumerate(us):
             pr = predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=chosen.cpu_threads,
-                         select_windows=targets.select_windows)
+                         select_windows=targets.select_windows, accumulate=chosen.accumulate)
             step[i, j] = pr.step_s / workload.step_time_s
             stall[i, j] = pr.stall_fraction
             q = quality.predict(r, u)
