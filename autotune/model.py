@@ -486,6 +486,7 @@ def plan(
     profile_source: str = "",
     relax_hint: str = "raise --max-loss-ratio to trade quality for speed",
     accumulate: str = "device",
+    host_lr_scale: float | None = None,
 ) -> Plan:
     """Choose the settings the caller left as None; predict and explain the result.
 
@@ -497,9 +498,11 @@ def plan(
     quality table's measured range are never chosen while one inside exists. When nothing meets the budget, the
     lowest predicted loss ratio is chosen and the plan says so (``loss_budget_met`` False); when the choice leaves
     the host work exposed, the reason says how much stall to expect and whether a looser budget would hide it
-    (``relax_hint`` is how to loosen it). ``cpu_threads`` = :func:`choose_threads`. ``accumulate``: where the
-    window sum lives ("device" or "host"; :func:`plan_accumulate` chooses it), for the memory budget and the
-    predictions.
+    (``relax_hint`` is how to loosen it). ``cpu_threads`` = :func:`choose_threads`. ``host_lr_scale`` (None: choose)
+    is the table's :meth:`~.quality.QualityTable.host_lr_scale` at the chosen ``(r, U, overlap)``, else 1.0; a scale
+    is only taken where it measured a lower loss than 1.0 on every task, so the predicted loss ratio (1.0's) stays
+    an upper bound and the budget holds. ``accumulate``: where the window sum lives ("device" or "host";
+    :func:`plan_accumulate` chooses it), for the memory budget and the predictions.
     """
     targets = targets or Targets()
     table = quality if quality is not None else default_quality_table()
@@ -597,6 +600,9 @@ def plan(
                  f"the fastest measured count leaving a core to training ({format_count(rate)} params/s, "
                  f"{workload.grad_dtype} gradients)"))
     lines.extend(notes)
+    scale, scale_line = _host_scale(table, pred.topk_ratio, u, overlap, host_lr_scale)
+    if scale_line:
+        lines.append(scale_line)
     lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
                  "not a guarantee (pass your own table)")
     if workload.device == "cpu":
@@ -625,7 +631,28 @@ def plan(
         predicted_loss_spread=spread,
         accumulate=accumulate,
         device_bytes_per_param={m: device_bytes_per_param(pred.topk_ratio, m) for m in ACCUMULATE_MODES},
+        host_lr_scale=scale,
     )
+
+
+def _host_scale(table: QualityTable, r: float, u: int, overlap: bool, fixed: float | None) -> tuple[float, str]:
+    """(host_lr_scale, the reason's line about it, "" when there is nothing to say)."""
+    if fixed is not None:
+        return float(fixed), ("" if fixed == 1.0 else f"host_lr_scale={fixed:g}: fixed by the caller")
+    entry = table.host_lr_scale(r, u, overlap) if 0 < r < 1 else None
+    if entry is not None:
+        ratios = "/".join(f"{x:.3f}" for x in entry.ratio)
+        return entry.host_lr_scale, (f"host_lr_scale={entry.host_lr_scale:g}: best loss {ratios} of Adam's host "
+                                     f"step's on {len(entry.ratio)} measured tasks at this setting, stable; the "
+                                     "predicted loss ratio is Adam's step's, an upper bound")
+    tried = [e for e in table.host_scales if e.overlap == overlap and e.update_interval == u
+             and math.isclose(e.topk_ratio, r, rel_tol=1e-9)]
+    if tried:
+        seen = "; ".join(f"s={e.host_lr_scale:g}: best {'/'.join(f'{x:.3f}' for x in e.ratio)}"
+                         + (f", equal lr up to {max(e.equal_lr_worst):.3f}" if e.equal_lr_worst else "")
+                         + ("" if e.stable else ", unstable") for e in tried)
+        return 1.0, f"host_lr_scale=1 (Adam's step): no measured scale was better on every task here ({seen})"
+    return 1.0, ""
 
 
 def stall_grid(

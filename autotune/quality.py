@@ -21,7 +21,17 @@ between them, plus one exact anchor: ``r = 1`` is plain AdamW (DESIGN §3's dege
 **Format** (JSON): ``topk_ratios`` (ascending, in (0, 1)), ``update_intervals`` (ascending ints >= 1), and either
 ``ratio`` (``[r][U]`` numbers, or ``[r][U]`` lists, one per seed) or ``loss`` (``[r][U][seed]``) with
 ``adamw_loss`` (``[seed]``); optional ``schema`` (1), ``task``, ``metric``, ``command``, ``seeds`` and
-``measured`` (free-form record of where and how).
+``measured`` (free-form record of where and how); optional ``host_lr_scale``: a list of measured entries, each
+``{"topk_ratio", "update_interval", "overlap" (bool), "host_lr_scale" (> 0, not 1), "ratio" ([task]: the best loss
+over an lr grid with this scale over the best loss with 1.0, the default), "stable" (bool: no loss spike over the
+long run), optional "equal_lr_worst" ([task]: the largest ratio of this scale's mean loss over 1.0's at one lr of the
+grid), "tasks" ([task] names), "source"}`` (``bench/quality_fair.py`` measures them).
+
+**The host step's scale** (``host_lr_scale``, DESIGN §3) is chosen from those entries alone, never interpolated:
+:meth:`QualityTable.host_lr_scale` answers a scale only at an exactly measured ``(r, U, overlap)`` where it gave a
+lower best loss on every task, stayed stable and, where ``equal_lr_worst`` is given, was nowhere worse than 1.0 at
+equal lr (the tuner does not choose the lr: a scale that only pays off after the user retunes it is no gain), and
+1.0 (Adam's step) everywhere else.
 """
 
 from __future__ import annotations
@@ -35,8 +45,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "DEFAULT_TABLE", "QualityTable", "QualityTableError", "load_quality_table",
-           "default_quality_table"]
+__all__ = ["SCHEMA_VERSION", "DEFAULT_TABLE", "HostScaleEntry", "QualityTable", "QualityTableError",
+           "load_quality_table", "default_quality_table"]
 
 SCHEMA_VERSION = 1
 # File name of the shipped table inside this package.
@@ -61,6 +71,65 @@ def _grid(values: Any, name: str, kind: type) -> tuple:
 
 
 @dataclass(frozen=True)
+class HostScaleEntry:
+    """One measured ``host_lr_scale`` at one ``(r, U, overlap)``: its best loss over the default's, per task."""
+
+    topk_ratio: float
+    update_interval: int
+    overlap: bool
+    host_lr_scale: float
+    ratio: tuple[float, ...]
+    """Per task: best loss (over an lr grid, mean over seeds) with this scale / the same with 1.0."""
+    stable: bool
+    tasks: tuple[str, ...] = ()
+    source: str = ""
+    equal_lr_worst: tuple[float, ...] = ()
+    """Per task: the largest ratio of this scale's loss over 1.0's at one lr of the grid (empty: not measured)."""
+
+    @property
+    def helps(self) -> bool:
+        """Lower best loss than the default on every task, no instability, and nowhere worse at equal lr."""
+        return self.stable and all(x < 1.0 for x in self.ratio) and all(x <= 1.0 for x in self.equal_lr_worst)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> HostScaleEntry:
+        if not isinstance(doc, dict):
+            raise QualityTableError(f"host_lr_scale entries must be objects, got {doc!r}")
+        try:
+            r, u, s = float(doc["topk_ratio"]), doc["update_interval"], float(doc["host_lr_scale"])
+            overlap, stable = doc["overlap"], doc["stable"]
+            ratio = tuple(float(x) for x in doc["ratio"])
+        except KeyError as exc:
+            raise QualityTableError(f"host_lr_scale entry lacks {exc}") from None
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1 or not 0 < r < 1:
+            raise QualityTableError(f"host_lr_scale entry at topk_ratio={r!r}, update_interval={u!r}: r must lie in "
+                                    "(0, 1) and U be an int >= 1")
+        if not isinstance(overlap, bool) or not isinstance(stable, bool):
+            raise QualityTableError("host_lr_scale entry: 'overlap' and 'stable' must be true or false")
+        if not (math.isfinite(s) and s > 0) or s == 1.0:
+            raise QualityTableError(f"host_lr_scale entry: scale {s!r} must be finite, > 0 and not 1 (the default)")
+        if not ratio or any(not (math.isfinite(x) and x > 0) for x in ratio):
+            raise QualityTableError(f"host_lr_scale entry: 'ratio' must be positive numbers, got {doc['ratio']!r}")
+        tasks = tuple(str(t) for t in doc.get("tasks", ()))
+        if tasks and len(tasks) != len(ratio):
+            raise QualityTableError(f"host_lr_scale entry: {len(tasks)} tasks but {len(ratio)} ratios")
+        try:
+            worst = tuple(float(x) for x in doc.get("equal_lr_worst", ()))
+        except (TypeError, ValueError):
+            worst = (math.nan,)
+        if worst and (len(worst) != len(ratio) or any(not (math.isfinite(x) and x > 0) for x in worst)):
+            raise QualityTableError(f"host_lr_scale entry: 'equal_lr_worst' must be {len(ratio)} positive numbers, "
+                                    f"got {doc['equal_lr_worst']!r}")
+        return cls(topk_ratio=r, update_interval=u, overlap=overlap, host_lr_scale=s, ratio=ratio, stable=stable,
+                   tasks=tasks, source=str(doc.get("source", "")), equal_lr_worst=worst)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval, "overlap": self.overlap,
+                "host_lr_scale": self.host_lr_scale, "ratio": list(self.ratio), "stable": self.stable,
+                "tasks": list(self.tasks), "source": self.source, "equal_lr_worst": list(self.equal_lr_worst)}
+
+
+@dataclass(frozen=True)
 class QualityTable:
     """Loss ratio vs AdamW per ``(topk_ratio, update_interval)``: ``ratios[i][j]`` holds one value per seed."""
 
@@ -74,6 +143,8 @@ class QualityTable:
     source: str = ""
     """Where the table came from (a path, or "shipped: <name>")."""
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
+    host_scales: tuple[HostScaleEntry, ...] = ()
+    """Measured ``host_lr_scale`` entries (module docstring); empty: the table knows only Adam's step."""
 
     def __post_init__(self) -> None:
         if any(not 0 < r < 1 for r in self.topk_ratios):
@@ -114,9 +185,13 @@ class QualityTable:
                 raise QualityTableError("needs 'ratio', or 'loss' with 'adamw_loss'")
             ratios = tuple(tuple(tuple(float(x) for x in c) for c in row) for row in cells)
             seeds = tuple(int(s) for s in doc.get("seeds", ()))
+            scales = doc.get("host_lr_scale", [])
+            if not isinstance(scales, list):
+                raise QualityTableError("host_lr_scale must be a list of entries")
             return cls(topk_ratios=rs, update_intervals=us, ratios=ratios, task=str(doc.get("task", "")),
                        command=str(doc.get("command", "")), seeds=seeds, source=source,
-                       measured=dict(doc.get("measured", {})))
+                       measured=dict(doc.get("measured", {})),
+                       host_scales=tuple(HostScaleEntry.from_dict(e) for e in scales))
         except QualityTableError as exc:
             raise QualityTableError(f"{where}: {exc}") from None
         except (TypeError, ValueError) as exc:  # ragged lists, strings where numbers belong, zip(strict=True)
@@ -126,7 +201,7 @@ class QualityTable:
         return {"schema": SCHEMA_VERSION, "task": self.task, "command": self.command,
                 "topk_ratios": list(self.topk_ratios), "update_intervals": list(self.update_intervals),
                 "seeds": list(self.seeds), "ratio": [[list(c) for c in row] for row in self.ratios],
-                "measured": self.measured}
+                "measured": self.measured, "host_lr_scale": [e.to_dict() for e in self.host_scales]}
 
     # ------------------------------------------------------------------ the model
 
@@ -178,6 +253,14 @@ class QualityTable:
         hi = self._interpolate(topk_ratio, update_interval, lambda i, j: self.spread(i, j)[1])
         return None if lo is None or hi is None else (lo, hi)
 
+    def host_lr_scale(self, topk_ratio: float, update_interval: int, overlap: bool) -> HostScaleEntry | None:
+        """The measured scale that helps most at exactly this ``(r, U, overlap)`` (lowest worst-task ratio among
+        those with a lower best loss on every task and no instability), or None: use 1.0, Adam's step."""
+        helping = [e for e in self.host_scales
+                   if e.helps and e.overlap == overlap and e.update_interval == update_interval
+                   and math.isclose(e.topk_ratio, topk_ratio, rel_tol=1e-9)]
+        return min(helping, key=lambda e: (max(e.ratio), e.host_lr_scale), default=None)
+
     def ratio_spread(self, topk_ratio: float, update_interval: int) -> tuple[float, float]:
         """(min, max) over seeds at a grid point; KeyError if ``(r, U)`` is not one."""
         try:
@@ -208,6 +291,14 @@ class QualityTable:
             lines.append(f"  {r:>7g}" + "".join(f"{c:>20}" for c in cells))
         if self.command:
             lines.append(f"  regenerate: {self.command}")
+        for e in self.host_scales:
+            verdict = "helps: the tuner takes it there" if e.helps else "not a gain everywhere: 1.0 stays"
+            tasks = "/".join(e.tasks) if e.tasks else f"{len(e.ratio)} tasks"
+            worst = (f", at equal lr up to {max(e.equal_lr_worst):.3f}x" if e.equal_lr_worst else "")
+            lines.append(f"  host_lr_scale={e.host_lr_scale:g} at r={e.topk_ratio:g}, U={e.update_interval}, "
+                         f"overlap={'on' if e.overlap else 'off'}: best loss "
+                         f"{'/'.join(f'{x:.3f}' for x in e.ratio)} of 1.0's ({tasks}){worst}"
+                         f"{'' if e.stable else ', unstable'}; {verdict}")
         return "\n".join(lines)
 
 

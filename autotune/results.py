@@ -91,11 +91,13 @@ class Plan:
     """Why (:func:`.model.plan_accumulate`: the placement rule's reason); empty when the caller fixed it."""
     device_bytes_per_param: dict[str, float] | None = None
     """The optimizer's device bytes per offloaded element, per accumulate mode, at this plan's ``topk_ratio``."""
+    host_lr_scale: float = 1.0
+    """The host step's lr scale (DESIGN §3): 1.0 unless the quality table measured a better one at this setting."""
 
     def config_fields(self) -> dict[str, Any]:
         """The choice as ZenFlowConfig fields: ``config.replace(**plan.config_fields())``."""
         return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval,
-                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype}
+                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype, "host_lr_scale": self.host_lr_scale}
 
     def summary(self) -> dict[str, Any]:
         """The plan as every output carries it, under the same names: the CLI's table and ``--json``, the plot and
@@ -106,6 +108,7 @@ class Plan:
             "update_interval": self.update_interval,
             "select_interval": p.select_interval,
             "cpu_threads": self.cpu_threads,
+            "host_lr_scale": self.host_lr_scale,
             "predicted_loss_ratio": self.predicted_loss_ratio,
             "max_loss_ratio": self.max_loss_ratio,
             "loss_budget_met": self.loss_budget_met,

@@ -150,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     doc = measure(topk_ratios=sorted(args.topk_ratios), update_intervals=sorted(args.update_intervals),
                   seeds=args.seeds, steps=args.steps, batch=args.batch, pretrain_steps=args.pretrain_steps,
                   command=command, progress=progress)
+    if args.out.exists():
+        # The host_lr_scale entries come from bench/quality_fair.py --table, not from this grid: keep them.
+        kept = json.loads(args.out.read_text()).get("host_lr_scale")
+        if kept:
+            doc["host_lr_scale"] = kept
     table = QualityTable.from_dict(doc, source=str(args.out))  # validates what is about to be shipped
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table.render())

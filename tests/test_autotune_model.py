@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import random
 import re
@@ -435,3 +436,30 @@ def test_a_choice_of_r_1_says_it_is_plain_adamw_and_what_offloading_would_have_s
     # An offloading choice carries no such line.
     big = plan(synthetic_profile(), Workload(shapes=shapes_for_param_count(10_000_000), step_time_s=0.5, device="cpu"))
     assert big.topk_ratio < 1 and "no offloading" not in big.reason
+
+
+def test_the_host_lr_scale_is_taken_only_where_the_table_measured_a_gain():
+    from zenflow_triton.autotune.quality import HostScaleEntry
+
+    prof = make_profile()
+    w = make_workload(params=1e9, step=0.5)
+    base = plan(prof, w, quality=Q, topk_ratio=0.1, update_interval=4)
+    assert base.host_lr_scale == 1.0 and "host_lr_scale" not in base.reason
+    helps = HostScaleEntry(topk_ratio=0.1, update_interval=4, overlap=True, host_lr_scale=2.0,
+                           ratio=(0.99, 0.98, 0.995), stable=True)
+    worse = HostScaleEntry(topk_ratio=0.1, update_interval=4, overlap=False, host_lr_scale=2.0,
+                           ratio=(0.97, 1.02, 0.99), stable=True)
+    table = dataclasses.replace(Q, host_scales=(helps, worse))
+    chosen = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4)
+    assert chosen.host_lr_scale == 2.0
+    assert chosen.summary()["host_lr_scale"] == 2.0 and chosen.config_fields()["host_lr_scale"] == 2.0
+    assert "host_lr_scale=2: best loss 0.990/0.980/0.995 of Adam's host step's" in chosen.reason
+    # The budget is judged on Adam's step's prediction, an upper bound: the scale changes no other choice.
+    assert chosen.predicted_loss_ratio == base.predicted_loss_ratio
+    seq = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, overlap=False)
+    assert seq.host_lr_scale == 1.0
+    assert "no measured scale was better on every task here (s=2: best 0.970/1.020/0.990)" in seq.reason
+    assert plan(prof, w, quality=table, topk_ratio=0.1, update_interval=8).host_lr_scale == 1.0  # not measured
+    fixed = plan(prof, w, quality=table, topk_ratio=0.1, update_interval=4, host_lr_scale=1.0)
+    assert fixed.host_lr_scale == 1.0
+    assert plan(prof, w, quality=table, host_lr_scale=3.0).host_lr_scale == 3.0

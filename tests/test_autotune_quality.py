@@ -119,3 +119,61 @@ def test_render_shows_mean_spread_and_the_command():
     text = table.render()
     assert "2 seeds" in text and "regenerate: python bench/quality_table.py" in text
     assert f"{table.mean(2, 2):.3f} ({table.spread(2, 2)[0]:.3f}-{table.spread(2, 2)[1]:.3f})" in text
+
+
+def scale_entry(**over) -> dict:
+    return {"topk_ratio": 0.1, "update_interval": 4, "overlap": True, "host_lr_scale": 2.0,
+            "ratio": [0.99, 0.98, 0.995], "stable": True, "tasks": ["finetune", "scratch", "long"],
+            "source": "bench/quality_fair.py", **over}
+
+
+def test_host_lr_scale_entries_are_read_round_tripped_and_chosen_only_where_they_help(tmp_path):
+    entries = [scale_entry(), scale_entry(host_lr_scale=1.5, ratio=[0.97, 0.99, 0.999]),
+               scale_entry(host_lr_scale=0.5, ratio=[0.9, 0.9, 0.9], equal_lr_worst=[1.0, 1.03, 0.99]),  # not at 1x lr
+               scale_entry(host_lr_scale=3.0, ratio=[0.9, 0.9, 0.9], stable=False),  # lower, but a spike
+               scale_entry(overlap=False, ratio=[0.95, 1.01, 0.99])]  # worse on one task
+    table = QualityTable.from_dict(doc(host_lr_scale=entries))
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(table.to_dict()))
+    assert load_quality_table(path).host_scales == table.host_scales
+    # The lowest worst-task ratio among those better on every task and stable: 2.0 (worst 0.995 < 0.999).
+    assert table.host_lr_scale(0.1, 4, True).host_lr_scale == 2.0
+    assert table.host_lr_scale(0.1, 4, False) is None  # its one entry is worse on a task
+    assert table.host_lr_scale(0.1, 8, True) is None and table.host_lr_scale(0.25, 4, True) is None  # not measured
+    text = table.render()
+    assert "host_lr_scale=2 at r=0.1, U=4, overlap=on: best loss 0.990/0.980/0.995" in text
+    assert "unstable" in text and "not a gain everywhere: 1.0 stays" in text and "at equal lr up to 1.030x" in text
+    assert QualityTable.from_dict(doc()).host_scales == ()  # optional: a table without entries knows 1.0 only
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (scale_entry(host_lr_scale=1.0), "not 1"),
+        (scale_entry(host_lr_scale=-2.0), "> 0"),
+        (scale_entry(ratio=[]), "positive numbers"),
+        (scale_entry(ratio=[1.0, 0.0, 1.0]), "positive numbers"),
+        (scale_entry(overlap="yes"), "true or false"),
+        (scale_entry(update_interval=2.5), "int >= 1"),
+        (scale_entry(tasks=["a"]), "1 tasks but 3 ratios"),
+        (scale_entry(equal_lr_worst=[1.0]), "'equal_lr_worst' must be 3 positive numbers"),
+        (scale_entry(equal_lr_worst=["x", 1, 1]), "'equal_lr_worst' must be 3 positive numbers"),
+        ({"topk_ratio": 0.1}, "lacks"),
+        ("2.0", "objects"),
+    ],
+)
+def test_malformed_host_lr_scale_entries_are_rejected(entry, message):
+    with pytest.raises(QualityTableError, match=message):
+        QualityTable.from_dict(doc(host_lr_scale=[entry]), source="mine.json")
+
+
+def test_the_shipped_host_lr_scale_entries_are_bench_quality_fairs_and_none_helps():
+    """What bench/results/quality-fair-2026-12-01.md measured at 0.1 / 4: no scale is better on every task at its best
+    lr and nowhere worse at equal lr, so "auto" keeps Adam's step there (README, Training quality)."""
+    table = default_quality_table()
+    found = {(e.overlap, e.host_lr_scale) for e in table.host_scales}
+    assert found == {(True, 0.5), (False, 0.5), (True, 2.0), (False, 2.0)}
+    for e in table.host_scales:
+        assert (e.topk_ratio, e.update_interval) == (0.1, 4) and e.tasks == ("finetune", "scratch", "long")
+        assert "bench/quality_fair.py" in e.source and len(e.equal_lr_worst) == 3 and not e.helps
+    assert table.host_lr_scale(0.1, 4, True) is None and table.host_lr_scale(0.1, 4, False) is None

@@ -73,7 +73,7 @@ class Simulation:
     It assumes some parameter ends a window at every window end (so pending host results are applied there)."""
 
     def __init__(self, p: torch.Tensor, *, r: float, interval: int, select: int, warmup: int, overlap: bool,
-                 decoupled: bool = True, grad_dtype: torch.dtype = torch.float32) -> None:
+                 decoupled: bool = True, grad_dtype: torch.dtype = torch.float32, host_lr_scale: float = 1.0) -> None:
         self.rows = p.shape[0]
         self.cols = p.numel() // self.rows
         self.dtype = p.dtype
@@ -91,6 +91,7 @@ class Simulation:
         self.interval, self.select, self.warmup = interval, select, warmup
         self.overlap, self.decoupled = overlap, decoupled
         self.grad_dtype = grad_dtype  # the host receives the window's sum rounded to this dtype
+        self.host_lr_scale = host_lr_scale  # windows after warm-up step with lr * this (warm-up does not use them)
         self.snapshot: torch.Tensor | None = None
 
     def _adam(self, cols: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float, eps: float, wd: float):
@@ -119,6 +120,7 @@ class Simulation:
         unsel_cols = torch.arange(self.cols)[~self.sel]
         if self.n and unsel_cols.numel():
             landed = self.acc.to(self.grad_dtype).float()
+            lr = lr if self.host_lr_scale == 1.0 else lr * self.host_lr_scale
             self._adam(unsel_cols, landed[:, unsel_cols] / self.n, lr, b1, b2, eps, wd)
             if late:
                 self.snapshot = self.master.to(self.dtype, copy=True)
@@ -171,20 +173,21 @@ class Simulation:
 def check_against_simulation(
     *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
     dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
-    device: str = "cpu", grad_dtype: str = "float32", accumulate: str = "auto",
+    device: str = "cpu", grad_dtype: str = "float32", accumulate: str = "auto", host_lr_scale: float = 1.0,
 ) -> ZenFlowAdamW:
     model = Net(dtype).to(device)
     twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy (on the CPU)
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
                   warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend,
-                  grad_dtype=grad_dtype, accumulate=accumulate)
+                  grad_dtype=grad_dtype, accumulate=accumulate, host_lr_scale=host_lr_scale)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
     resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]
     ref = ref_cls(resident_twin, **hp, foreach=False)
     sims = {p: Simulation(p.detach().cpu(), r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
-                          decoupled=opt_cls is ZenFlowAdamW, grad_dtype=getattr(torch, grad_dtype))
+                          decoupled=opt_cls is ZenFlowAdamW, grad_dtype=getattr(torch, grad_dtype),
+                          host_lr_scale=host_lr_scale)
             for p in offloaded(model)}
     # fp32 state differs from the simulation only by rounding (it computes the same math in another order);
     # bf16 parameters may land one bf16 ulp apart when a master value sits near a rounding boundary.
@@ -225,6 +228,47 @@ def test_matches_simulation_every_step(backend: str, overlap: bool) -> None:
     assert st["selections"] == 4  # tau = 1, 7, 13, 19
     assert st["windows"] >= 3 + 8  # warm-up steps are windows of one step
     opt.close()
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_host_lr_scale_matches_simulation(backend: str, overlap: bool) -> None:
+    """host_lr_scale=s: the host windows after warm-up step with lr * s (decay included), warm-up and the device's
+    selected columns with lr; the LR scheduler's lr at each window end (flush()'s early window: the next test)."""
+    _skip_unavailable(backend)
+    opt = check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=3, select=6,
+                                   steps=17, host_lr_scale=2.5)
+    assert opt.stats()["host_lr_scale"] == 2.5
+    opt.close()
+    # ZenFlowAdam: the coupled L2 term is not scaled (it is part of the gradient), the step is.
+    check_against_simulation(backend=backend, overlap=overlap, warmup=0, r=0.1, interval=2, select=4, steps=9,
+                             opt_cls=ZenFlowAdam, host_lr_scale=0.5).close()
+
+
+def test_host_lr_scale_reaches_only_the_host_windows_after_warmup(monkeypatch) -> None:
+    """The lr each host job gets: the group's own (an int lr stays an int) in warm-up and at the default 1.0, lr * s
+    after warm-up, flush()'s early window included."""
+    def lrs_seen(scale: float) -> list:
+        seen: list = []
+        real = zpipe.run_host_job
+
+        def spy(items, ready, num_threads):
+            seen.append(items[0].hp.lr)
+            return real(items, ready, num_threads)
+
+        monkeypatch.setattr(zpipe, "run_host_job", spy)
+        w = nn.Parameter(torch.randn(32, 128))
+        with ZenFlowAdamW([w], lr=1, topk_ratio=0.25, update_interval=2, warmup_steps=2, overlap=False,
+                          host_lr_scale=scale) as opt:
+            for _ in range(7):
+                w.grad = torch.randn(32, 128)
+                opt.step()
+            opt.flush()  # ends the open window (tau = 5) early: a host window after warm-up like any other
+        return seen
+
+    default = lrs_seen(1.0)
+    assert default == [1, 1, 1, 1, 1] and all(type(x) is int for x in default)
+    assert lrs_seen(1.5) == [1, 1, 1.5, 1.5, 1.5]
 
 
 def test_simulation_adam_l2_bf16_and_clipping() -> None:
@@ -436,6 +480,38 @@ def test_resume_is_bitwise(overlap: bool) -> None:
                     assert value == other, f"checkpoint after step {at}: state {key} differs"
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_host_lr_scale_is_checkpointed(overlap: bool) -> None:
+    """host_lr_scale is saved with the knobs and a resumed run continues bit for bit; a checkpoint's value wins over
+    the constructor's (the trajectory is the checkpoint's), one saved before the knob existed loads as 1.0, and an
+    invalid one is refused."""
+    knobs = dict(topk_ratio=0.2, update_interval=3, select_interval=6, warmup_steps=2, overlap=overlap,
+                 host_lr_scale=2.0)
+    straight, sd = run_with_checkpoint(14, None, **knobs)
+    assert sd["zenflow"]["host_lr_scale"] == 2.0 and sd["param_groups"][0]["zenflow"]["host_lr_scale"] == 2.0
+    for at in (5, 7):  # right after a window end (job in flight with overlap); mid-window
+        resumed, _ = run_with_checkpoint(14, at, **knobs)
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed)), f"checkpoint after step {at}"
+    adam_rule, _ = run_with_checkpoint(14, None, **dict(knobs, host_lr_scale=1.0))
+    assert not all(torch.equal(a, b) for a, b in zip(straight, adam_rule))  # the knob changes the trajectory
+
+    def loaded(saved: dict, scale: float) -> float:
+        with ZenFlowAdamW(Net().parameters(), lr=2e-2, min_offload_numel=MIN_OFFLOAD,
+                          **dict(knobs, host_lr_scale=scale)) as opt:
+            opt.load_state_dict(saved)
+            return opt.stats()["host_lr_scale"]
+
+    assert loaded(sd, 1.0) == 2.0
+    old = copy.deepcopy(sd)
+    for entry in (old["zenflow"], *(g["zenflow"] for g in old["param_groups"])):
+        del entry["host_lr_scale"]
+    assert loaded(old, 3.0) == 1.0
+    bad = copy.deepcopy(sd)
+    bad["zenflow"]["host_lr_scale"] = -2.0
+    with pytest.raises(ValueError, match="host_lr_scale"):
+        loaded(bad, 3.0)
+
+
 def test_state_dict_does_not_move_params_and_waits_for_host() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD)
@@ -489,6 +565,12 @@ def test_frozen_and_gradless_params_untouched() -> None:
         (dict(grad_dtype="float16"), "grad_dtype"),
         (dict(cpu_threads=0), "cpu_threads"),
         (dict(cpu_threads=10_000), "at most .* numba threads"),  # more than this process can run
+        (dict(host_lr_scale=0.0), "host_lr_scale"),
+        (dict(host_lr_scale=-1.0), "host_lr_scale"),
+        (dict(host_lr_scale=math.inf), "host_lr_scale"),
+        (dict(host_lr_scale=math.nan), "host_lr_scale"),
+        (dict(host_lr_scale=True), "host_lr_scale"),
+        (dict(host_lr_scale="2"), "host_lr_scale"),
         (dict(lr=torch.tensor([0.1, 0.2])), "Tensor lr must be 1-element"),  # torch.optim.AdamW's error
     ],
 )
@@ -654,6 +736,36 @@ def test_auto_respects_a_fixed_knob(quick_profile, monkeypatch) -> None:
     opt.close()
 
 
+def test_auto_host_lr_scale_takes_the_quality_tables_measured_gain(quick_profile, monkeypatch, tmp_path) -> None:
+    """host_lr_scale="auto": the plan's choice, from the quality table's entry at the fixed (r, U, overlap); until
+    the plan (warm-up) the host steps with lr; the checkpoint records the choice."""
+    import json
+
+    from zenflow_triton.autotune.quality import default_quality_table
+
+    doc = default_quality_table().to_dict()
+    doc["host_lr_scale"] = [{"topk_ratio": 0.25, "update_interval": 2, "overlap": True, "host_lr_scale": 1.5,
+                             "ratio": [0.99, 0.98], "stable": True}]
+    table = tmp_path / "q.json"
+    table.write_text(json.dumps(doc))
+    monkeypatch.setenv("ZENFLOW_TRITON_PROFILE", quick_profile)
+    monkeypatch.setenv("ZENFLOW_TRITON_QUALITY_TABLE", str(table))
+    model = Net()
+    with ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2, host_lr_scale="auto",
+                      min_offload_numel=MIN_OFFLOAD) as opt:
+        _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS)
+        assert opt.stats()["host_lr_scale"] is None  # still "auto" during the warm-up
+        _train_steps(opt, model, 2)
+        st = opt.stats()
+        assert st["host_lr_scale"] == 1.5 and "host_lr_scale=1.5" in st["auto_reason"]
+        assert opt.state_dict()["zenflow"]["host_lr_scale"] == 1.5
+    model = Net()
+    with ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4, host_lr_scale="auto",
+                      min_offload_numel=MIN_OFFLOAD) as opt:  # not measured at U=4: Adam's step
+        _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS + 1)
+        assert opt.stats()["host_lr_scale"] == 1.0
+
+
 def test_grad_scaler_unscales_and_skips_inf_steps() -> None:
     """AMP's GradScaler works unchanged: unscale_ reads .grad, and a step with inf gradients is skipped."""
 
@@ -700,6 +812,9 @@ def test_cuda_matches_simulation_every_step(backend: str, overlap: bool) -> None
                              dtype=torch.bfloat16, device="cuda")
     check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=2, select=4, steps=10,
                              device="cuda", grad_dtype="bfloat16")
+    # host_lr_scale: the scaled lr reaches the host job on the CUDA path too (sums shipped on the copy stream).
+    check_against_simulation(backend=backend, overlap=overlap, warmup=2, r=0.25, interval=3, select=6, steps=14,
+                             device="cuda", host_lr_scale=2.5)
 
 
 @pytest.mark.gpu

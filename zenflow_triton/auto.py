@@ -34,7 +34,7 @@ choice_logger = logging.getLogger("zenflow_triton.auto")
 # five steps give four intervals, enough for a median that ignores the first, slower, step.
 AUTO_WARMUP_STEPS = 5
 
-_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads")
+_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads", "host_lr_scale")
 
 
 def announce(message: str, log: logging.Logger = choice_logger) -> None:
@@ -105,7 +105,8 @@ def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tuple[s
 
 
 class Knobs:
-    """``topk_ratio``, ``update_interval``, ``select_interval`` and ``cpu_threads`` as the optimizer uses them.
+    """``topk_ratio``, ``update_interval``, ``select_interval``, ``cpu_threads`` and ``host_lr_scale`` as the optimizer
+    uses them.
 
     ``config`` is the user's; ``warmup`` the warm-up steps (at least :data:`AUTO_WARMUP_STEPS` with ``"auto"``);
     ``plan`` the autotuner's :class:`~zenflow_triton.autotune.Plan` once made (None for fixed knobs).
@@ -137,7 +138,8 @@ class Knobs:
 
     @property
     def ready(self) -> bool:
-        return self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
+        return (self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
+                and self.resolved.host_lr_scale != "auto")
 
     # ------------------------------------------------------------------ step time
 
@@ -175,7 +177,8 @@ class Knobs:
             offloaded_shapes=offloaded_shapes, param_dtype=param_dtype, grad_dtype=cfg.grad_dtype,
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
-            overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, accumulate=accumulate,
+            overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
+            accumulate=accumulate,
         )
         self.plan = plan
         u = int(plan.update_interval)
@@ -191,9 +194,11 @@ class Knobs:
         if cfg.cpu_threads is None:
             threads = max(1, min(int(plan.cpu_threads), host_thread_share()))
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
-                                              select_interval=select, cpu_threads=threads)
+                                              select_interval=select, cpu_threads=threads,
+                                              host_lr_scale=float(plan.host_lr_scale))
         loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"
-        announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u} cpu_threads={threads}: "
+        scale = "" if plan.host_lr_scale == 1.0 else f" host_lr_scale={plan.host_lr_scale:g}"
+        announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u}{scale} cpu_threads={threads}: "
                  f"predicted loss {loss} (budget {plan.max_loss_ratio:g}), "
                  f"{plan.prediction.stall_fraction:.1%} stall"
                  + ("" if plan.hides_host_work else " (host work not hidden)")
@@ -223,13 +228,17 @@ class Knobs:
         return {name: self.value(name) for name in _CHECKPOINT_KEYS}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Take the checkpoint's ``topk_ratio``, ``update_interval`` and ``select_interval`` (None: still "auto").
+        """Take the checkpoint's ``topk_ratio``, ``update_interval``, ``select_interval`` (None: still "auto") and
+        ``host_lr_scale`` (1.0 when it has none).
         ``cpu_threads`` stays this machine's: the thread count never changes results, and a checkpoint's may
         exceed what this process can run."""
         r = saved.get("topk_ratio", self.value("topk_ratio"))
         u = saved.get("update_interval", self.value("update_interval"))
         s = saved.get("select_interval", self.value("select_interval"))
+        # A checkpoint from before host_lr_scale existed was trained with Adam's host step: 1.0.
+        h = saved.get("host_lr_scale", 1.0)
+        h = "auto" if h is None else h
         self.resolved = self.resolved.replace(
             topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
-            select_interval=s if u is not None else self.config.select_interval,
+            select_interval=s if u is not None else self.config.select_interval, host_lr_scale=h,
         )

@@ -52,6 +52,10 @@ class ZenFlowConfig:
     max_grad_norm: float | None = None
     """Clip gradients inside step() to this total L2 norm (torch.nn.utils.clip_grad_norm_'s formula, over all the
     optimizer's parameters); None: no clipping."""
+    # Deferred host step (issue 21).
+    host_lr_scale: float | Auto = 1.0
+    """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
+    step, the default; "auto": the autotuner's choice from its quality table (1.0 where it measured no gain)."""
 
     def __post_init__(self) -> None:
         r = self.topk_ratio
@@ -89,10 +93,14 @@ class ZenFlowConfig:
         g = self.max_grad_norm
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < math.inf):
             raise ValueError(f"Invalid max_grad_norm: {g!r} (a finite float > 0, or None)")
+        # Deferred host step (issue 21).
+        h = self.host_lr_scale
+        if h != "auto" and (isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and h > 0)):
+            raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0, 1.0 is Adam's step, or 'auto')")
 
     @property
     def is_auto(self) -> bool:
-        return self.topk_ratio == "auto" or self.update_interval == "auto"
+        return self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
 
     def resolved_select_interval(self) -> int:
         """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""

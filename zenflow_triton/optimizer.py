@@ -77,6 +77,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             (each step's gradient copied to the host and summed there; no device acc), or "auto".
         max_grad_norm: clip gradients at each step() to this total norm, exactly as
             ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before ``step()`` would; None: no clipping.
+        host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step;
+            "auto": the autotuner's choice.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -108,6 +110,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_timeout: float = 600.0,
         accumulate: str = "auto",
         max_grad_norm: float | None = None,
+        host_lr_scale: float | str = 1.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         hyperparams(defaults, decoupled=self._decoupled)
@@ -116,7 +119,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval,
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
-            accumulate=accumulate, max_grad_norm=max_grad_norm,
+            accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
         )
         self._device: torch.device | None = None
         self._stats = Stats()
@@ -310,7 +313,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             pipeline.rehome(self.state)
             windows = pipeline.open_windows(self.state, self._hp_of({}))
             if windows:
-                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads)
+                # Warm-up windows end at every step, so an open one here is past warm-up: host_lr_scale applies.
+                pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads,
+                                     lr_scale=self._knobs.value("host_lr_scale") or 1.0)
             else:
                 pipeline.wait(self.state, merge=True)
 
@@ -549,7 +554,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for w in pipeline.open_windows(self.state, self._hp_of(unique), skip=windows):
                 windows[w.param] = w
         if windows:
-            pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads)
+            pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads,
+                                 lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
 
     def _plan_auto(self) -> None:
         records = self._pipeline.records

@@ -18,6 +18,7 @@ with ``overlap=False`` is its own host master (:func:`state.allocate`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -625,12 +626,16 @@ class Pipeline:
         return (p.device.type == "cpu" and waited and st["acc_count"] == 0 and rec.masks.num_unselected == rec.cols
                 and lands_exactly)
 
-    def end_windows(self, windows: Sequence[Window], state: State, *, sync: bool, cpu_threads: int) -> None:
+    def end_windows(self, windows: Sequence[Window], state: State, *, sync: bool, cpu_threads: int,
+                    lr_scale: float = 1.0) -> None:
         """DESIGN §5: wait for the previous job and apply it, ship this window's sums, submit the next job (and,
-        with ``sync``, wait for it and apply it too)."""
+        with ``sync``, wait for it and apply it too). The host steps with each window's lr times ``lr_scale``
+        (``host_lr_scale`` after warm-up, DESIGN §3)."""
         self.wait(state, merge=True)
         device = windows[0].param.device
         ready = self._ship_sums(windows, state) if device.type == "cuda" and not self.host_sums else None
+        if lr_scale != 1.0:  # 1.0 passes the group's lr through untouched (an int lr stays an int, as in torch)
+            windows = [dataclasses.replace(w, hp=dataclasses.replace(w.hp, lr=w.hp.lr * lr_scale)) for w in windows]
         items = [self._host_item(w, state[w.param], ready) for w in windows]
         events = ((ready,) if ready is not None else ()) + (self._merges_read(device) if device.type == "cuda" else ())
         self.stats.windows += 1

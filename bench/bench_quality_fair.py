@@ -1,0 +1,103 @@
+"""bench/quality_fair.py's code, run at smoke sizes (seconds), so a broken benchmark is found in CI, not after an
+hour of measuring: every task, AdamW and ZenFlow with overlap on and off and two host_lr_scale values, the JSON and
+Markdown it writes, the summary's arithmetic on hand-made numbers, and the spike metric."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import quality_fair
+
+from zenflow_triton.autotune.quality import DEFAULT_TABLE, load_quality_table
+
+
+def test_smoke_run_writes_json_markdown_and_table_entries(tmp_path: Path) -> None:
+    out = tmp_path / "fair"
+    assert quality_fair.main(["--smoke", "--out", str(out), "--scales", "1", "2"]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    names = [c["name"] for c in doc["configs"]]
+    assert names == ["AdamW", "ZenFlow overlap s=1", "ZenFlow overlap s=2", "ZenFlow sequential s=1",
+                     "ZenFlow sequential s=2"]
+    assert [t["name"] for t in doc["tasks"]] == ["finetune", "scratch", "long"]
+    for task in doc["tasks"]:
+        for name in names:
+            for lr in task["lrs"]:
+                run = doc["runs"][task["name"]][name][f"{lr:g}"]["1"]
+                assert math.isfinite(run["loss"]) and 0 < run["loss"] < 10 and run["spike"] >= 0
+                assert len(run["curve"]) == task["steps"]  # short runs keep every step's loss
+    summary = quality_fair.summarize(doc)
+    assert summary["finetune"]["configs"]["AdamW"]["best_to_best"] == 1.0
+    # The knob is wired through: s=2 and s=1 train differently.
+    runs = doc["runs"]["long"]
+    assert runs["ZenFlow overlap s=1"]["0.001"]["1"]["loss"] != runs["ZenFlow overlap s=2"]["0.001"]["1"]["loss"]
+    md = out.with_suffix(".md").read_text()
+    assert "## long" in md and "| ZenFlow sequential s=2 |" in md and doc["command"] in md
+    # --report rebuilds the same Markdown from the JSON alone.
+    assert quality_fair.render(doc, summary).strip() == md.strip()
+    # --table writes the host_lr_scale entries the autotuner reads into a quality table, the rest unchanged.
+    shipped = resources.files("zenflow_triton.autotune").joinpath(DEFAULT_TABLE).read_text()
+    table = tmp_path / "q.json"
+    table.write_text(shipped)
+    assert quality_fair.main(["--report", str(out.with_suffix(".json")), "--table", str(table)]) == 0
+    entries = load_quality_table(table).host_scales
+    assert [(e.overlap, e.host_lr_scale, e.tasks) for e in entries] == [
+        (True, 2.0, ("finetune", "scratch", "long")), (False, 2.0, ("finetune", "scratch", "long"))]
+    rows = summary["scratch"]["configs"]
+    assert entries[0].ratio[1] == pytest.approx(rows["ZenFlow overlap s=2"]["best_loss"]
+                                                / rows["ZenFlow overlap s=1"]["best_loss"], abs=1e-4)
+    again, before = json.loads(table.read_text()), json.loads(shipped)
+    again.pop("host_lr_scale")
+    before.pop("host_lr_scale", None)
+    assert again == before  # only the entries are replaced
+
+
+def test_add_to_measures_only_the_missing_configurations(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    assert quality_fair.main(["--smoke", "--out", str(first), "--scales", "1", "--tasks", "finetune", "long"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(second), "--scales", "1", "3",
+                              "--add-to", str(first.with_suffix(".json"))]) == 0
+    one, two = (json.loads(p.with_suffix(".json").read_text()) for p in (first, second))
+    assert [c["name"] for c in two["configs"]] == [c["name"] for c in one["configs"]] + [
+        "ZenFlow overlap s=3", "ZenFlow sequential s=3"]
+    assert two["runs"]["finetune"]["AdamW"] == one["runs"]["finetune"]["AdamW"]  # reused, not rerun
+    assert set(two["runs"]["long"]["ZenFlow sequential s=3"]) == {"0.001", "0.002"}
+    assert two["measured"]["added"][0]["adamw_rerun_equal"]
+    md = second.with_suffix(".md").read_text()
+    assert "added ZenFlow overlap s=3, ZenFlow sequential s=3" in md and "| ZenFlow overlap s=3 |" in md
+
+
+def _doc(losses: dict[str, dict[str, dict[str, float]]], lrs: list[float], seeds: list[int]) -> dict:
+    runs = {name: {lr: {s: {"loss": x, "spike": 0.0, "curve": []} for s, x in per_seed.items()}
+                   for lr, per_seed in by_lr.items()} for name, by_lr in losses.items()}
+    return {"configs": [{"name": n} for n in losses], "seeds": seeds, "runs": {"t": runs},
+            "tasks": [{"name": "t", "lrs": lrs}]}
+
+
+def test_summary_compares_each_optimizer_at_its_best_lr() -> None:
+    # AdamW is best at lr 2 (mean 1.0); Z at lr 1 (mean 1.05): best-to-best 1.05, per seed 1.1/1.0 and 1.0/1.0.
+    doc = _doc({"AdamW": {"1": {"1": 1.2, "2": 1.2}, "2": {"1": 1.0, "2": 1.0}},
+                "Z": {"1": {"1": 1.1, "2": 1.0}, "2": {"1": 1.2, "2": 1.3}}}, [1.0, 2.0], [1, 2])
+    z = quality_fair.summarize(doc)["t"]["configs"]["Z"]
+    assert z["best_lr"] == 1.0 and z["best_loss"] == pytest.approx(1.05)
+    assert z["best_to_best"] == pytest.approx(1.05)
+    assert z["best_to_best_seeds"] == pytest.approx([1.0, 1.1])
+    assert z["equal_lr"]["2"] == pytest.approx([1.25, 1.2, 1.3])
+    assert z["best_at_grid_edge"]
+    # A seed missing for one optimizer is left out everywhere (a run cut short).
+    del doc["runs"]["t"]["Z"]["2"]["2"]
+    assert quality_fair.summarize(doc)["t"]["seeds"] == [1]
+
+
+def test_spike_sees_a_rise_after_the_start_not_the_descent() -> None:
+    falling = [5.0 - 0.004 * i for i in range(1000)]
+    assert quality_fair.spike(falling) == 0.0
+    bumped = list(falling)
+    for i in range(600, 640):
+        bumped[i] += 1.0  # a 40-step excursion of +1 nat on a loss near 2.6
+    assert 0.3 < quality_fair.spike(bumped) < 0.45
+    diverged = falling[:500] + [math.nan] * 500
+    assert quality_fair.spike(diverged) == math.inf

@@ -1,0 +1,476 @@
+"""Training quality at each optimizer's best learning rate: AdamW against ZenFlowAdamW configurations, three tasks.
+
+A loss ratio at one untuned lr says little (issue 21): a configuration that takes smaller effective steps looks
+worse at an lr that rewards bigger ones and better at one that punishes them. So every optimizer gets the same lr
+grid, several batch seeds, and is judged by its best lr (the lowest mean held-out loss over the seeds):
+
+- **best-to-best**: a configuration's best mean loss over AdamW's best mean loss, with the (min, max) over seeds
+  of the per-seed ratio, each optimizer at its own best lr;
+- **equal lr**: at each lr of the grid, the mean (min, max) over seeds of the per-seed ratio;
+- **spike**: the loss curve's largest relative rise above its running minimum after the first 10% of the steps
+  (training loss smoothed over ``max(5, steps // 50)`` steps): an unstable run shows here before its end does.
+
+Tasks (the demo's byte-level transformer, :mod:`zenflow_triton.demo.charlm`, default CharLMConfig, 99% of its
+parameters offloaded; batch 8 x 64 bytes, AdamW weight decay 0.01 everywhere, constant lr unless said):
+
+- ``finetune``: the demo's fine-tune (``python -m zenflow_triton.demo``; bench/quality_table.py's task): pretrained
+  800 steps on standard-library source, 200 steps on the pydoc topics, held-out pydoc loss;
+- ``scratch``: from a fresh initialisation, 200 steps on the pydoc topics, held-out pydoc loss;
+- ``long``: from a fresh initialisation, 1000 steps on standard-library source (the first 90%; held out: the last
+  10%), linear warm-up over 5% of the steps, then cosine decay to 0.1x: a run long enough that Adam's bias
+  correction is no longer what the loss is about.
+
+ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``select_interval = 8 U``,
+``overlap`` on and off, each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with
+lr x s). Held-out loss after ``flush()``. One core: ``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not
+depend on thread counts, DESIGN §3). The run writes its JSON after every task and seed, so a run cut short keeps
+what it measured; ``--report JSON`` rebuilds the Markdown from it::
+
+    nice -n 10 python bench/quality_fair.py --out bench/results/quality-fair-2026-12-01
+
+``ZENFLOW_BENCH_SMOKE=1`` (or ``--smoke``) shrinks everything to seconds (bench/bench_quality_fair.py, in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zenflow_triton import ZenFlowAdamW
+from zenflow_triton.autotune.quality import QualityTable
+from zenflow_triton.demo.charlm import CharLMConfig, evaluate, load_corpora, make_model, pretrained_state, train
+
+__all__ = ["Task", "Config", "tasks", "configs", "measure", "summarize", "render", "spike", "main"]
+
+WEIGHT_DECAY = 0.01
+BATCH = 8
+SMOKE = os.environ.get("ZENFLOW_BENCH_SMOKE", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    what: str
+    steps: int
+    pretrain_steps: int  # 0: from a fresh initialisation
+    corpus: str  # "pydoc" or "stdlib"
+    schedule: bool  # warm-up 5% + cosine to 0.1x
+    lrs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    overlap: bool | None = None  # None: torch.optim.AdamW
+    host_lr_scale: float = 1.0
+
+    @property
+    def is_adamw(self) -> bool:
+        return self.overlap is None
+
+
+def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3),
+          long_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3), long_steps: int = 1000) -> list[Task]:
+    if smoke:
+        return [Task("finetune", "smoke fine-tune", 8, 8, "pydoc", False, tuple(lrs[:2])),
+                Task("scratch", "smoke from scratch", 8, 0, "pydoc", False, tuple(lrs[:2])),
+                Task("long", "smoke long run", 24, 0, "stdlib", True, tuple(long_lrs[:2]))]
+    return [
+        Task("finetune", "demo fine-tune: pretrained 800 steps on stdlib source, 200 steps on pydoc topics", 200, 800,
+             "pydoc", False, tuple(lrs)),
+        Task("scratch", "from scratch: 200 steps on pydoc topics", 200, 0, "pydoc", False, tuple(lrs)),
+        Task("long", f"long run from scratch: {long_steps} steps on stdlib source (90/10 split), warm-up 5% + cosine "
+             "to 0.1x", long_steps, 0, "stdlib", True, tuple(long_lrs)),
+    ]
+
+
+def configs(scales: Sequence[float]) -> list[Config]:
+    out = [Config("AdamW")]
+    for overlap in (True, False):
+        for s in scales:
+            out.append(Config(f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}", overlap, float(s)))
+    return out
+
+
+def spike(losses: Sequence[float]) -> float:
+    """Largest relative rise of the smoothed loss above its running minimum after the first 10% of the steps."""
+    n = len(losses)
+    w = max(5, n // 50)
+    if n < 2 * w:
+        return 0.0
+    sm = [statistics.fmean(losses[i:i + w]) for i in range(n - w + 1)]
+    if not all(math.isfinite(x) for x in sm):
+        return math.inf
+    start = max(1, n // 10)
+    low = min(sm[:start])
+    worst = 0.0
+    for x in sm[start:]:
+        worst = max(worst, x / low - 1.0)
+        low = min(low, x)
+    return worst
+
+
+def _schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warm = max(1, steps // 20)
+
+    def factor(i: int) -> float:
+        if i < warm:
+            return (i + 1) / warm
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (i - warm) / max(1, steps - warm)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, torch.Tensor] | None,
+         data: tuple[torch.Tensor, torch.Tensor], cfg: CharLMConfig, topk_ratio: float,
+         update_interval: int) -> tuple[float, list[float]]:
+    """(held-out loss, training losses) of one run."""
+    model = make_model(cfg, seed=seed)  # from scratch: the seed also picks the initialisation
+    if start is not None:
+        model.load_state_dict(start)
+    if config.is_adamw:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+    else:
+        opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
+                           update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
+                           host_lr_scale=config.host_lr_scale)
+    try:
+        sched = _schedule(opt, task.steps) if task.schedule else None
+        losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
+        if isinstance(opt, ZenFlowAdamW):
+            opt.flush()  # overlap=True: the last window's host result reaches the model one window late
+        return evaluate(model, data[1]), losses
+    finally:
+        if isinstance(opt, ZenFlowAdamW):
+            opt.close()
+
+
+def _revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rev = out.stdout.strip()
+    return (rev + ("+uncommitted" if dirty.stdout.strip() else "")) or None
+
+
+def _downsample(losses: Sequence[float], points: int = 50) -> list[float]:
+    if len(losses) <= points:
+        return [round(x, 4) for x in losses]
+    size = len(losses) / points
+    return [round(statistics.fmean(losses[int(i * size):int((i + 1) * size)]), 4) for i in range(points)]
+
+
+def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: dict[str, list[int]], topk_ratio: float,
+            update_interval: int, command: str, save: Callable[[dict], None] | None = None,
+            progress: Callable[[str], None] = print) -> dict:
+    """Run every task x seed (``seeds[task.name]``) x lr x config; returns (and after every task and seed passes to
+    ``save``) the results as a plain dict: ``runs[task][config][str(lr)][str(seed)] = {"loss", "spike", "curve"}``."""
+    started = time.perf_counter()
+    cfg = CharLMConfig()
+    corpora = load_corpora()
+    cut = int(len(corpora.pretrain) * 0.9)
+    data = {"pydoc": (corpora.finetune_train, corpora.finetune_val),
+            "stdlib": (corpora.pretrain[:cut], corpora.pretrain[cut:])}
+    doc: dict[str, Any] = {
+        "what": "held-out loss after flush(), per task, optimizer, lr and batch seed (bench/quality_fair.py)",
+        "command": command,
+        "topk_ratio": topk_ratio, "update_interval": update_interval, "select_interval": 8 * update_interval,
+        "batch": BATCH, "weight_decay": WEIGHT_DECAY, "seeds": sorted({x for t in task_list for x in seeds[t.name]}),
+        "tasks": [dict(t.__dict__, lrs=list(t.lrs)) for t in task_list],
+        "configs": [dict(c.__dict__) for c in config_list],
+        "runs": {t.name: {c.name: {} for c in config_list} for t in task_list},
+        "measured": {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "revision": _revision(),
+            "machine": f"{platform.node()}: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+                       "shared with other work",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "threads": "torch.set_num_threads(1), ZenFlowAdamW(cpu_threads=1)",
+            "load_average": [round(os.getloadavg()[0], 2)],
+        },
+    }
+    for task in task_list:
+        start = pretrained_state(cfg, steps=task.pretrain_steps) if task.pretrain_steps else None
+        for seed in seeds[task.name]:
+            for lr in task.lrs:
+                line = []
+                for config in config_list:
+                    loss, losses = _run(task, config, lr=lr, seed=seed, start=start, data=data[task.corpus], cfg=cfg,
+                                        topk_ratio=topk_ratio, update_interval=update_interval)
+                    doc["runs"][task.name][config.name].setdefault(f"{lr:g}", {})[str(seed)] = {
+                        "loss": loss if math.isfinite(loss) else None, "spike": round(spike(losses), 4),
+                        "curve": _downsample(losses),
+                    }
+                    line.append(f"{config.name}: {loss:.4f}")
+                progress(f"{task.name} seed {seed} lr {lr:g}: " + "; ".join(line)
+                         + f"  [{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f}]")
+            doc["measured"]["wall_s"] = round(time.perf_counter() - started, 1)
+            doc["measured"]["load_average"].append(round(os.getloadavg()[0], 2))
+            if save is not None:
+                save(doc)
+    return doc
+
+
+# ------------------------------------------------------------------------------------------------- summary
+
+
+def _loss(doc: dict, task: str, config: str, lr: str, seed: str) -> float:
+    run = doc["runs"][task][config].get(lr, {}).get(seed)
+    if run is None:
+        return math.nan
+    return math.inf if run["loss"] is None else run["loss"]
+
+
+def _mean_loss(doc: dict, task: str, config: str, lr: str, seeds: list[int]) -> float:
+    return statistics.fmean(_loss(doc, task, config, lr, str(s)) for s in seeds)
+
+
+def _best(doc: dict, task: str, config: str, lrs: list[str], seeds: list[str]) -> tuple[str, float]:
+    """(lr, mean loss over seeds) at the lr of the lowest mean."""
+    means = {lr: statistics.fmean(_loss(doc, task, config, lr, s) for s in seeds) for lr in lrs}
+    lr = min(lrs, key=means.__getitem__)
+    return lr, means[lr]
+
+
+def summarize(doc: dict) -> dict:
+    """Per task and configuration: best lr, best mean loss, best-to-best ratio (mean, min, max over seeds), the
+    ratio at every lr, and the largest spike (at the best lr, and over the grid). Only complete seeds count."""
+    adamw = doc["configs"][0]["name"]
+    out: dict[str, Any] = {}
+    for task in doc["tasks"]:
+        t = task["name"]
+        lrs = [f"{lr:g}" for lr in task["lrs"]]
+        seeds = [str(s) for s in doc["seeds"]
+                 if all(not math.isnan(_loss(doc, t, c["name"], lr, str(s))) for c in doc["configs"] for lr in lrs)]
+        if not seeds:
+            continue
+
+        a_lr, a_best = _best(doc, t, adamw, lrs, seeds)
+        rows = {}
+        for c in doc["configs"]:
+            name = c["name"]
+            lr, mean = _best(doc, t, name, lrs, seeds)
+            per_seed = [_loss(doc, t, name, lr, s) / _loss(doc, t, adamw, a_lr, s) for s in seeds]
+            at_lr = {}
+            for k in lrs:
+                rs = [_loss(doc, t, name, k, s) / _loss(doc, t, adamw, k, s) for s in seeds]
+                at_lr[k] = [statistics.fmean(rs), min(rs), max(rs)]
+            spikes_best = [doc["runs"][t][name][lr][s]["spike"] for s in seeds]
+            spikes_all = [doc["runs"][t][name][k][s]["spike"] for k in lrs for s in seeds]
+            rows[name] = {"best_lr": float(lr), "best_loss": mean, "best_to_best": mean / a_best,
+                          "best_to_best_seeds": [min(per_seed), max(per_seed)], "equal_lr": at_lr,
+                          "spike_at_best": max(spikes_best), "spike_any_lr": max(spikes_all),
+                          "best_at_grid_edge": lr in (lrs[0], lrs[-1])}
+        out[t] = {"seeds": [int(s) for s in seeds], "adamw_best_lr": float(a_lr), "configs": rows}
+    return out
+
+
+# A scale is "stable" when its long run's spike at its best lr is at most this much above Adam's host step's at its
+# best lr (same overlap). Measured at 0.1 / 4 (bench/results/quality-fair-2026-12-01.md): batch noise alone puts the
+# spike of every optimizer's long run within a few hundredths of AdamW's.
+SPIKE_TOLERANCE = 0.02
+
+
+def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
+    """The quality table's ``host_lr_scale`` entries (:mod:`zenflow_triton.autotune.quality`): per overlap mode and
+    scale s != 1, each task's best loss with s over the best loss with 1.0, the largest ratio of their mean losses
+    at one lr of the grid, and whether it stayed stable (every run finite, and the long task's spike within
+    :data:`SPIKE_TOLERANCE` of 1.0's)."""
+    entries = []
+    tasks = [t["name"] for t in doc["tasks"] if t["name"] in summary]
+    for c in doc["configs"]:
+        if c["overlap"] is None or c["host_lr_scale"] == 1.0:
+            continue
+        base = next((b["name"] for b in doc["configs"] if b["overlap"] == c["overlap"] and b["host_lr_scale"] == 1.0),
+                    None)
+        if base is None or not tasks:
+            continue
+        rows = [summary[t]["configs"] for t in tasks]
+        finite = all(run["loss"] is not None for t in tasks for by_seed in doc["runs"][t][c["name"]].values()
+                     for run in by_seed.values())
+        spiky = any(r[c["name"]]["spike_at_best"] > r[base]["spike_at_best"] + SPIKE_TOLERANCE
+                    for t, r in zip(tasks, rows) if t == "long")
+        entries.append({
+            "topk_ratio": doc["topk_ratio"], "update_interval": doc["update_interval"], "overlap": c["overlap"],
+            "host_lr_scale": c["host_lr_scale"],
+            "ratio": [round(r[c["name"]]["best_loss"] / r[base]["best_loss"], 4) for r in rows],
+            "equal_lr_worst": [round(max(_mean_loss(doc, t, c["name"], lr, summary[t]["seeds"])
+                                         / _mean_loss(doc, t, base, lr, summary[t]["seeds"])
+                                         for lr in (f"{x:g}" for x in task["lrs"])), 4)
+                               for t, task in ((t["name"], t) for t in doc["tasks"] if t["name"] in summary)],
+            "stable": finite and not spiky, "tasks": tasks,
+            "source": f"bench/quality_fair.py, {doc['measured']['date']}: best held-out loss over lrs "
+                      f"{sorted({lr for t in doc['tasks'] for lr in t['lrs']})}, mean over seeds",
+        })
+    return entries
+
+
+def render(doc: dict, summary: dict) -> str:
+    m = doc["measured"]
+    loads = m.get("load_average", [])
+    lines = [
+        "# Training quality at each optimizer's best lr (bench/quality_fair.py)",
+        "",
+        f"- date: {m['date']}; revision {m.get('revision')}; {m.get('machine')}; torch {m.get('torch')}, "
+        f"python {m.get('python')}; {m.get('threads')}",
+        f"- wall {m.get('wall_s', 0):.0f} s; load average (1 min) from {min(loads, default=0):.1f} to "
+        f"{max(loads, default=0):.1f} over the run",
+        f"- command: `{doc['command']}`",
+        *(f"- added {', '.join(a['configs'])}: {a.get('date')}, revision {a.get('revision')}, wall "
+          f"{a.get('wall_s') or 0:.0f} s, load average {min(a.get('load_average') or [0]):.1f}-"
+          f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
+          for a in m.get("added", [])),
+        f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
+        f"{doc['select_interval']}; batch {doc['batch']}, weight decay {doc['weight_decay']:g}",
+        "- best-to-best: a configuration's lowest mean held-out loss over the lr grid / AdamW's, (min-max) over seeds "
+        "of the per-seed ratio, each at its own best lr. Equal lr: mean (min-max) of the per-seed ratio at that lr. "
+        "Spike: the smoothed training loss's largest relative rise above its running minimum after the first 10% "
+        "of the steps (max over seeds; at the best lr / over the whole grid). `*`: the best lr is at an edge of "
+        "the grid.",
+        "",
+    ]
+    for task in doc["tasks"]:
+        t = task["name"]
+        if t not in summary:
+            continue
+        s = summary[t]
+        lrs = [f"{lr:g}" for lr in task["lrs"]]
+        lines += [f"## {t}: {task['what']}", "",
+                  f"seeds {s['seeds']}; AdamW's best lr {s['adamw_best_lr']:g}", "",
+                  "| optimizer | best lr | best loss | best-to-best | " + " | ".join(f"ratio @ {k}" for k in lrs)
+                  + " | spike best / any |",
+                  "|---|---|---|---|" + "---|" * len(lrs) + "---|"]
+        for name, r in s["configs"].items():
+            lo, hi = r["best_to_best_seeds"]
+            cells = [f"{v[0]:.3f} ({v[1]:.3f}-{v[2]:.3f})" for v in (r["equal_lr"][k] for k in lrs)]
+            lines.append(f"| {name} | {r['best_lr']:g}{'*' if r['best_at_grid_edge'] else ''} | {r['best_loss']:.4f}"
+                         f" | {r['best_to_best']:.3f} ({lo:.3f}-{hi:.3f}) | " + " | ".join(cells)
+                         + f" | {r['spike_at_best']:.3f} / {r['spike_any_lr']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write OUT.json (after every task and seed) and OUT.md")
+    parser.add_argument("--report", type=Path, help="only rebuild the Markdown from this JSON (to stdout)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--long-seeds", type=int, default=2, help="seeds of the long task (the first N of --seeds)")
+    parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0], help="host_lr_scale values")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
+    parser.add_argument("--long-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--long-steps", type=int, default=1000)
+    parser.add_argument("--tasks", nargs="+", default=["finetune", "scratch", "long"])
+    parser.add_argument("--topk-ratio", type=float, default=0.1)
+    parser.add_argument("--update-interval", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
+    parser.add_argument("--table", type=Path, metavar="QUALITY_JSON",
+                        help="write the measured host_lr_scale entries into this quality table (the autotuner's; "
+                             "with --report: from that JSON)")
+    parser.add_argument("--add-to", type=Path, metavar="JSON",
+                        help="measure only the ZenFlow configurations of --scales that JSON lacks, on its tasks, lrs "
+                             "and seeds, and write JSON plus them to --out (its AdamW runs are reused: they are "
+                             "deterministic, which one rerun checks)")
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        doc = json.loads(args.report.read_text())
+        print(render(doc, summarize(doc)))
+        if args.table is not None:
+            _write_table(args.table, doc)
+        return 0
+    if args.out is None:
+        parser.error("--out is required unless --report is given")
+    torch.set_num_threads(1)
+    smoke = args.smoke or SMOKE
+    task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps)
+                 if t.name in args.tasks]
+    seeds = args.seeds[:1] if smoke else args.seeds
+    command = "nice -n 10 python bench/quality_fair.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
+
+    def save(doc: dict) -> None:
+        json_path.write_text(json.dumps(doc, indent=1) + "\n")
+        md_path.write_text(render(doc, summarize(doc)) + "\n")
+
+    if args.add_to is not None:
+        doc = add_configs(json.loads(args.add_to.read_text()), configs(args.scales), command=command, save=save)
+    else:
+        # The long task runs fewer seeds: it costs 5x a short one.
+        per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
+        doc = measure(task_list=task_list, config_list=configs(args.scales), seeds=per_task,
+                      topk_ratio=args.topk_ratio, update_interval=args.update_interval, command=command, save=save,
+                      progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(render(doc, summarize(doc)))
+    if args.table is not None:
+        _write_table(args.table, doc)
+    return 0
+
+
+def _write_table(path: Path, doc: dict) -> None:
+    """Replace the quality table's host_lr_scale entries with this run's (validated as the autotuner reads them)."""
+    table = json.loads(path.read_text())
+    table["host_lr_scale"] = host_scale_entries(doc, summarize(doc))
+    QualityTable.from_dict(table, source=str(path))
+    path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def add_configs(prev: dict, wanted: Sequence[Config], *, command: str,
+                save: Callable[[dict], None] | None = None) -> dict:
+    """``prev`` plus the configurations of ``wanted`` it lacks, measured on its tasks, lrs and seeds. AdamW is not
+    rerun (CPU, one thread: deterministic) except once, to check that it reproduces ``prev``."""
+    known = {c["name"] for c in prev["configs"]}
+    new = [c for c in wanted if c.name not in known and not c.is_adamw]
+    task_list = [Task(**dict(t, lrs=tuple(t["lrs"]))) for t in prev["tasks"]]
+    adamw = prev["configs"][0]["name"]
+    seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][f"{t.lrs[0]:g}"]) for t in task_list}
+    check_task = task_list[0]
+    check = measure(task_list=[check_task], config_list=[Config(adamw)],
+                    seeds={check_task.name: seeds[check_task.name][:1]}, topk_ratio=prev["topk_ratio"],
+                    update_interval=prev["update_interval"], command=command, progress=lambda m: None)
+    lr, seed = f"{check_task.lrs[0]:g}", str(seeds[check_task.name][0])
+    again = check["runs"][check_task.name][adamw][lr][seed]["loss"]
+    before = prev["runs"][check_task.name][adamw][lr][seed]["loss"]
+    if again != before:
+        raise RuntimeError(f"AdamW does not reproduce {before} ({again}): cannot reuse its runs")
+    doc = json.loads(json.dumps(prev))
+    doc["configs"] += [dict(c.__dict__) for c in new]
+    doc["command"] = f"{prev['command']} && {command}"
+    added = {"configs": [c.name for c in new], "adamw_rerun_equal": True}
+    doc["measured"].setdefault("added", []).append(added)
+
+    def merge(part: dict) -> None:
+        for t, by_config in part["runs"].items():
+            for name, runs in by_config.items():
+                doc["runs"][t][name] = runs
+        added.update(revision=part["measured"]["revision"], date=part["measured"]["date"],
+                     wall_s=part["measured"].get("wall_s"), load_average=part["measured"]["load_average"])
+        if save is not None:
+            save(doc)
+
+    measure(task_list=task_list, config_list=new, seeds=seeds, topk_ratio=prev["topk_ratio"],
+            update_interval=prev["update_interval"], command=command, save=merge,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
