@@ -15,6 +15,7 @@ import torch
 from test_optimizer import MIN_OFFLOAD, Net, loss_fn
 from torch import nn
 
+import zenflow_triton.checkpoint as zckpt
 import zenflow_triton.optimizer as zopt
 import zenflow_triton.pipeline as zpipe
 from zenflow_triton import ZenFlowAdamW
@@ -199,7 +200,7 @@ def test_out_of_memory_inside_load_state_dict_changes_nothing(monkeypatch, where
     if where == "offloaded":
         monkeypatch.setattr(zpipe, "load_offloaded", _oom_on_call(2, zpipe.load_offloaded))
     elif where == "resident":
-        monkeypatch.setattr(zopt, "load_resident", _oom_on_call(2, zopt.load_resident))
+        monkeypatch.setattr(zckpt, "load_resident", _oom_on_call(2, zckpt.load_resident))
     else:
         monkeypatch.setattr(zpipe, "allocate", _oom_on_call(1, zpipe.allocate))
     sd["param_groups"][0]["lr"] = 1e-3  # the load would change the groups too

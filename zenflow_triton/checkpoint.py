@@ -21,7 +21,7 @@ import torch
 
 from .columns import matrix_shape
 from .sharding import is_sharded, to_local_rows, to_saved
-from .state import OffloadedParam
+from .state import OffloadedParam, load_resident
 
 __all__ = [
     "FORMAT",
@@ -369,3 +369,19 @@ def to_adamw_state_dict(sd: Mapping[str, Any], param_groups: Sequence[Mapping[st
                                               for g in sd["param_groups"]]
     return {"state": {i: to_adamw(by_index[i], entry) if i in by_index else entry for i, entry in sd["state"].items()},
             "param_groups": groups}
+
+
+def split_plan(plan: Sequence[tuple[Any, Mapping[str, Any], bool | None]]) -> tuple[
+        list[tuple[torch.Tensor, Mapping[str, Any]]], dict[Any, Any]]:
+    """A :func:`plan_load` plan in two: the offloaded parameters' entries (local rows) for the pipeline to stage,
+    and the new state of every resident parameter (loaded now) and of every key that is no parameter's (a hook's,
+    kept as it is, as torch keeps it)."""
+    offloaded, new_state = [], {}
+    for p, saved, is_offloaded in plan:
+        if is_offloaded is None:
+            new_state[p] = saved
+        elif is_offloaded:
+            offloaded.append((p, localize(p, saved)))
+        else:
+            new_state[p] = load_resident(p, saved)
+    return offloaded, new_state

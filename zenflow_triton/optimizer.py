@@ -24,26 +24,24 @@ from typing import Any
 import torch
 
 from . import checkpoint, retune
-from .auto import AUTO_WARMUP_STEPS, Knobs, announce
+from .auto import AUTO_WARMUP_STEPS, Knobs
 from .columns import reselect_many_
 from .config import ZenFlowConfig
 from .gradients import GradientClipper
-from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops, reference
+from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops
 from .params import (
-    META_HINT,
     check_betas_pair,
-    check_grad,
     check_group,
     check_param,
     check_unchanged,
-    describe,
+    gather_step,
     hyperparams,
     offloads,
     warn_kept_resident,
 )
 from .pipeline import Pipeline, Stats, Window
 from .sharding import add_summed_scores_, local
-from .state import init_resident, load_resident
+from .state import init_resident, step_resident_
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
 
@@ -174,7 +172,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._gradients.clip_(self.param_groups)  # max_grad_norm: before anything reads a gradient
             self._schedule.step += 1
             self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
-            self._resident_step(resident)
+            step_resident_(self.state, resident)
             if pipeline.records:
                 self._offloaded_step(offloaded)
             self._stats.steps += 1
@@ -235,26 +233,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         )
         # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
         # exists, so running out of host or device memory here leaves them as they were.
-        offloaded, new_state = [], {}
-        for p, saved, is_offloaded in plan:
-            if is_offloaded is None:
-                new_state[p] = saved  # a key that is no parameter's (a hook's): kept as it is, as torch keeps it
-            elif is_offloaded:
-                offloaded.append((p, checkpoint.localize(p, saved)))
-            else:
-                new_state[p] = load_resident(p, saved)
+        offloaded, new_state = checkpoint.split_plan(plan)
         loaded = self._pipeline.stage_load(offloaded)
         group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
                         for sg in state_dict["param_groups"]]
         # Nothing below raises or allocates.
         if zenflow is not None:
-            knobs_before = self._knobs.state_dict()
-            self._knobs.load_state_dict(zenflow)
-            changed = retune.describe_changes(knobs_before, self._knobs.state_dict())
-            if changed:
-                # The checkpoint's knobs win (as a torch state_dict's group values do): say so, once.
-                announce(f"load_state_dict: the checkpoint's knobs replace this optimizer's: {changed}; "
-                         "opt.set_knobs(...) after the load changes them", logger)
+            retune.load_knobs(self._knobs, zenflow)
             self._schedule.step = checkpoint.schedule_step(zenflow, plan)
         else:
             # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
@@ -279,19 +264,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         new values and ``stats()`` shows them (``opt.config`` stays the constructor's). Validated as in the
         constructor; nothing changes when it raises."""
         self._pipeline.check_usable()
-        if not self._knobs.ready:
-            raise RuntimeError("set_knobs: the 'auto' knobs are not chosen yet (they are at the first step after "
-                               "warm-up); call it after that, or build the optimizer with fixed knobs")
-        resolved = self._knobs.resolved
-        new = retune.retuned(resolved, topk_ratio=topk_ratio, update_interval=update_interval,
-                             select_interval=select_interval)
-        before = self._knobs.state_dict()
-        if (new.update_interval, new.select_interval) != (resolved.update_interval, resolved.select_interval):
-            self.flush()  # the windows restart: none may hold gradients of the old schedule (DESIGN §3 step 2)
-        self._knobs.resolved = new
-        changed = retune.describe_changes(before, self._knobs.state_dict())
-        if changed:
-            logger.info("zenflow_triton: set_knobs: %s", changed)
+        retune.set_knobs(self._knobs, self.flush, topk_ratio=topk_ratio, update_interval=update_interval,
+                         select_interval=select_interval)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
@@ -357,12 +331,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
         sizes in bytes."""
         s = self._stats
-        # Per-step views: the mean time a step() call took (all of it: device work or its launches, and the wait
-        # for the host) and the part of it that was waiting.
-        per_step = {"ms_per_step": 1e3 * (s.device_opt_s + s.stall_s) / s.steps if s.steps else 0.0,
-                    "stall_ms_per_step": 1e3 * s.stall_s / s.steps if s.steps else 0.0}
-        return {**self._pipeline.report(self.state), **per_step, **self._knobs.state_dict(), **self._knobs.report(s),
-                **self._gradients.report()}
+        return {**self._pipeline.report(self.state), **s.per_step(), **self._knobs.state_dict(),
+                **self._knobs.report(s), **self._gradients.report()}
 
     # ------------------------------------------------------------------ the step
 
@@ -389,41 +359,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Validate hyperparameters and every gradient (before anything changes), create state for parameters
         stepping for the first time (all or nothing: out of memory keeps none, and a later step retries), and
         return the parameters that step now: resident ones per group, offloaded ones with their group's record."""
-        resident: list[tuple[AdamHyperparams, list[torch.Tensor]]] = []
-        offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
-        fresh: list[torch.Tensor] = []
-        fresh_resident: list[torch.Tensor] = []
-        seen: set[int] = set()  # ids of the fresh ones (a parameter may be listed twice)
-        device = None
-        for group in self.param_groups:
-            hp = check_group(group, decoupled=self._decoupled)  # a group may have been edited since it was added
-            resident.append((hp, []))
-            for p in group["params"]:
-                if p.is_meta:
-                    raise RuntimeError(f"{describe(p, self.param_groups)} is on the meta device: {META_HINT}")
-                if p.grad is None:
-                    continue
-                offloads = self._offloads(p)
-                try:
-                    check_grad(p, p.grad, offloaded=offloads)
-                except RuntimeError as exc:
-                    raise RuntimeError(f"{describe(p, self.param_groups)}: {exc}") from None
-                if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise ValueError(f"{describe(p, self.param_groups)} is on {p.device} but other parameters are on "
-                                     f"{device}; use one ZenFlowAdamW per device")
-                new = (p not in self.state or not self.state[p]) and id(p) not in seen
-                if new:
-                    seen.add(id(p))
-                if offloads:
-                    offloaded.append((hp, p))
-                    if new:
-                        fresh.append(p)
-                else:
-                    resident[-1][1].append(p)
-                    if new:
-                        fresh_resident.append(p)
+        resident, offloaded, fresh, fresh_resident, device = gather_step(
+            self.param_groups, self.state, decoupled=self._decoupled, offloads=self._offloads)
         if device is not None:
             self._device = device  # the parameters' device now (built over meta parameters, then materialized)
         new_state = {p: init_resident(p) for p in fresh_resident}
@@ -433,23 +370,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if fresh_resident:
             warn_kept_resident(fresh_resident, self.config.min_offload_numel)
         return resident, offloaded
-
-    def _resident_step(self, resident: list[tuple[AdamHyperparams, list[torch.Tensor]]]) -> None:
-        """Plain AdamW on every resident parameter, batched per group, device, dtype and step count (one
-        ``_foreach`` call per op: a model has several small resident tensors per layer)."""
-        for hp, params in resident:
-            buckets: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
-            for p in params:
-                st = self.state[p]
-                st["step"] += 1
-                buckets.setdefault((p.device, p.dtype, st["step"]), []).append(p)
-            for (_, _, step), ps in buckets.items():
-                sts = [self.state[p] for p in ps]
-                # Sharded (FSDP2) parameters, gradients and moments update through their local parts.
-                reference.adam_update_foreach_(
-                    [local(p) for p in ps], [local(p.grad) for p in ps], [local(st["exp_avg"]) for st in sts],
-                    [local(st["exp_avg_sq"]) for st in sts], step=step, hp=hp,
-                )
 
     def _offloaded_step(self, offloaded: list[tuple[AdamHyperparams, torch.Tensor]]) -> None:
         """DESIGN §3 at the schedule's step ``t``: warm-up, or steps 1-5 after it, for the offloaded parameters with
@@ -562,9 +482,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._knobs.resolve(offloaded_shapes=[(rec.rows, rec.cols) for rec in records.values()],
                             param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"),
                             accumulate=self._pipeline.accumulate or "device")
-        # Warm-up windows wait synchronously by design; the prediction is about the windows that follow.
-        self._stats.stall_at_plan = self._stats.stall_s
-        self._stats.windows_at_plan = self._stats.windows
+        self._stats.mark_plan()
 
 
 class ZenFlowAdam(ZenFlowAdamW):

@@ -4,7 +4,7 @@ gradients (step), and the per-group options of torch.optim.AdamW that change the
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from .kernels import MODEL_DTYPES, AdamHyperparams
 from .sharding import check_placement, local
 
 __all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_param", "check_unchanged", "describe",
-           "hyperparams", "offloads", "warn_kept_resident"]
+           "gather_step", "hyperparams", "offloads", "warn_kept_resident"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -193,3 +193,51 @@ def warn_kept_resident(params: Sequence[torch.Tensor], min_offload_numel: int) -
 
 def _matrix(p: torch.Tensor, min_offload_numel: int) -> bool:
     return is_offloaded(p, min_offload_numel) and p.numel() > 0
+
+
+def gather_step(
+    param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[str, Any]], *, decoupled: bool,
+    offloads: Callable[[torch.Tensor], bool],
+) -> tuple[list[tuple[AdamHyperparams, list[torch.Tensor]]], list[tuple[AdamHyperparams, torch.Tensor]],
+           list[torch.Tensor], list[torch.Tensor], torch.device | None]:
+    """What one ``step()`` works on, every group's hyperparameters and every gradient checked before anything
+    changes (the error names the parameter): ``(resident, offloaded, fresh, fresh_resident, device)``, the resident
+    parameters with a gradient per group, the offloaded ones with their group's record, those of each kind stepping
+    for the first time (each once, though a group may list a parameter twice), and the parameters' device (None
+    when no parameter has a gradient)."""
+    resident: list[tuple[AdamHyperparams, list[torch.Tensor]]] = []
+    offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
+    fresh: list[torch.Tensor] = []
+    fresh_resident: list[torch.Tensor] = []
+    seen: set[int] = set()  # ids of the fresh ones (a parameter may be listed twice)
+    device = None
+    for group in param_groups:
+        hp = check_group(group, decoupled=decoupled)  # a group may have been edited since it was added
+        resident.append((hp, []))
+        for p in group["params"]:
+            if p.is_meta:
+                raise RuntimeError(f"{describe(p, param_groups)} is on the meta device: {META_HINT}")
+            if p.grad is None:
+                continue
+            offloaded_here = offloads(p)
+            try:
+                check_grad(p, p.grad, offloaded=offloaded_here)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{describe(p, param_groups)}: {exc}") from None
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(f"{describe(p, param_groups)} is on {p.device} but other parameters are on "
+                                 f"{device}; use one ZenFlowAdamW per device")
+            new = (p not in state or not state[p]) and id(p) not in seen
+            if new:
+                seen.add(id(p))
+            if offloaded_here:
+                offloaded.append((hp, p))
+                if new:
+                    fresh.append(p)
+            else:
+                resident[-1][1].append(p)
+                if new:
+                    fresh_resident.append(p)
+    return resident, offloaded, fresh, fresh_resident, device

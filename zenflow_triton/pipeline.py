@@ -67,6 +67,18 @@ class Stats:
     windows_at_plan: int = 0
     compile_s: float = 0.0  # the host kernels' first load (numba compiles them once per machine), not stall
 
+    def per_step(self) -> dict[str, float]:
+        """Per-step views: the mean time a ``step()`` call took (all of it: device work or its launches, and the
+        wait for the host) and the part of it that was waiting."""
+        n = self.steps
+        return {"ms_per_step": 1e3 * (self.device_opt_s + self.stall_s) / n if n else 0.0,
+                "stall_ms_per_step": 1e3 * self.stall_s / n if n else 0.0}
+
+    def mark_plan(self) -> None:
+        """The "auto" plan was made now: its measured stall counts from here (warm-up windows wait synchronously by
+        design; the prediction is about the windows that follow)."""
+        self.stall_at_plan, self.windows_at_plan = self.stall_s, self.windows
+
     def record_selection(self, picks: Sequence[Any], *, measured: bool) -> None:
         """Count one selection step from its per-parameter :class:`~zenflow_triton.columns.Reselection`\\ s
         (``measured``: whether scores were kept; with topk_ratio=0 nothing is selected, whatever the energy)."""

@@ -7,12 +7,16 @@ is the way to run a resumed run with other knobs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from .auto import Knobs, announce
 from .config import DEFAULT_SELECT_WINDOWS, ZenFlowConfig
 
-__all__ = ["SCHEDULE_KNOBS", "describe_changes", "retuned"]
+__all__ = ["SCHEDULE_KNOBS", "describe_changes", "load_knobs", "retuned", "set_knobs"]
+
+logger = logging.getLogger("zenflow_triton")
 
 # The knobs a checkpoint carries that shape the schedule (cpu_threads stays this machine's: it changes no result).
 SCHEDULE_KNOBS = ("topk_ratio", "update_interval", "select_interval")
@@ -52,3 +56,32 @@ def retuned(resolved: ZenFlowConfig, *, topk_ratio: float | None = None, update_
 
 def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) or type(x).__module__ == "numpy"
+
+
+def load_knobs(knobs: Knobs, saved: Mapping[str, Any]) -> None:
+    """A checkpoint's knobs into ``knobs``: they win (as a torch state_dict's group values do), and one line says
+    which ones they changed."""
+    before = knobs.state_dict()
+    knobs.load_state_dict(saved)
+    changed = describe_changes(before, knobs.state_dict())
+    if changed:
+        announce(f"load_state_dict: the checkpoint's knobs replace this optimizer's: {changed}; "
+                 "opt.set_knobs(...) after the load changes them", logger)
+
+
+def set_knobs(knobs: Knobs, flush: Callable[[], None], *, topk_ratio: float | None = None,
+              update_interval: int | None = None, select_interval: int | None = None) -> None:
+    """:meth:`ZenFlowAdamW.set_knobs`: validate the new knobs (nothing changes when that raises), ``flush()`` when
+    the windows restart, then change them and log one line."""
+    if not knobs.ready:
+        raise RuntimeError("set_knobs: the 'auto' knobs are not chosen yet (they are at the first step after "
+                           "warm-up); call it after that, or build the optimizer with fixed knobs")
+    resolved = knobs.resolved
+    new = retuned(resolved, topk_ratio=topk_ratio, update_interval=update_interval, select_interval=select_interval)
+    before = knobs.state_dict()
+    if (new.update_interval, new.select_interval) != (resolved.update_interval, resolved.select_interval):
+        flush()  # the windows restart: none may hold gradients of the old schedule (DESIGN §3 step 2)
+    knobs.resolved = new
+    changed = describe_changes(before, knobs.state_dict())
+    if changed:
+        logger.info("zenflow_triton: set_knobs: %s", changed)

@@ -27,6 +27,7 @@ import torch
 
 from .columns import ColumnMasks
 from .host_memory import HostSlab
+from .kernels import AdamHyperparams, reference
 from .sharding import like_param, local, local_matrix_shape, shard_group
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "init_resident",
     "load_offloaded",
     "load_resident",
+    "step_resident_",
 ]
 
 # State entries in the host slab.
@@ -213,3 +215,23 @@ def load_resident(p: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
     return {"step": int(step.item()) if isinstance(step, torch.Tensor) else int(step),
             "exp_avg": like_param(saved["exp_avg"], p).to(device=p.device, dtype=p.dtype),
             "exp_avg_sq": like_param(saved["exp_avg_sq"], p).to(device=p.device, dtype=p.dtype)}
+
+
+def step_resident_(state: Mapping[torch.Tensor, dict[str, Any]],
+                   resident: Sequence[tuple[AdamHyperparams, Sequence[torch.Tensor]]]) -> None:
+    """Plain AdamW on every resident parameter, batched per group, device, dtype and step count (one ``_foreach``
+    call per op: a model has several small resident tensors per layer). ``resident``: per group, its record and
+    its resident parameters that have a gradient."""
+    for hp, params in resident:
+        buckets: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+        for p in params:
+            st = state[p]
+            st["step"] += 1
+            buckets.setdefault((p.device, p.dtype, st["step"]), []).append(p)
+        for (_, _, step), ps in buckets.items():
+            sts = [state[p] for p in ps]
+            # Sharded (FSDP2) parameters, gradients and moments update through their local parts.
+            reference.adam_update_foreach_(
+                [local(p) for p in ps], [local(p.grad) for p in ps], [local(st["exp_avg"]) for st in sts],
+                [local(st["exp_avg_sq"]) for st in sts], step=step, hp=hp,
+            )
