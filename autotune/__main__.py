@@ -36,14 +36,17 @@ from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
 from .bridge import MEMORY_BUDGET_FRACTION, QUALITY_ENV_VAR, quality_table_for
 from .cache import ENV_VAR, ProfileError, default_profile_path, load_profile, save_profile
 from .model import (
+    ACCUMULATE_MODES,
     DEFAULT_MAX_LOSS_RATIO,
     GRAD_BYTES,
     Plan,
     Targets,
     Workload,
+    device_bytes_per_param,
     format_count,
     format_seconds,
-    plan,
+    host_bytes_per_param,
+    plan_accumulate,
     predict,
     shapes_for_param_count,
 )
@@ -153,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="device memory (GiB) the optimizer's device state may use (default: "
                                  f"{MEMORY_BUDGET_FRACTION * 100:.0f}%% of free memory less the model's weights "
                                  "and grads)")
+    plan_group.add_argument("--accumulate", choices=("auto", *ACCUMULATE_MODES), default="auto",
+                            help="where the window sum lives (ZenFlowAdamW's accumulate): auto (default) places it "
+                                 "as the optimizer does, on the device when its state fits the memory budget, else "
+                                 "on the host; always the device for CPU tensors")
     plan_group.add_argument("--max-loss-ratio", type=_loss_budget, default=DEFAULT_MAX_LOSS_RATIO, metavar="X",
                             help="quality budget: largest predicted held-out loss over AdamW's at equal steps "
                                  "(default %(default)s); raise it to trade quality for speed")
@@ -225,8 +232,37 @@ def _plans(profile: Profile, args: argparse.Namespace, quality: QualityTable) ->
     out = []
     for params, step_time in models:
         w = _workload(profile, args, params, step_time)
-        out.append((w, plan(profile, w, targets=targets, quality=quality)))
+        out.append((w, plan_accumulate(profile, w, accumulate=args.accumulate, targets=targets, quality=quality)))
     return out
+
+
+def _memory_rows(workload: Workload, plan: Plan) -> list[dict[str, Any]]:
+    """Per accumulate mode, at the plan's topk_ratio: the optimizer's device bytes per offloaded parameter (beyond
+    the weight and its gradient), in all for the workload, and the pinned host bytes per parameter."""
+    return [{"accumulate": m, "device_bytes_per_param": device_bytes_per_param(plan.topk_ratio, m),
+             "device_bytes": workload.numel * device_bytes_per_param(plan.topk_ratio, m),
+             "host_bytes_per_param": host_bytes_per_param(workload.param_bytes, workload.grad_dtype, m),
+             "chosen": m == plan.accumulate} for m in ACCUMULATE_MODES]
+
+
+def _memory_table(workload: Workload, plan: Plan) -> list[str]:
+    n = _count_str(workload.numel)
+    if workload.device == "cuda":
+        budget = workload.memory_budget_bytes
+        whose = "" if budget is None else f"; the optimizer's device memory budget: {budget / 2**30:.2f} GiB"
+    else:
+        whose = ("; CPU tensors: no device memory figure (device and host memory are one), so both modes are "
+                 'shown and "device" is chosen: nothing to save')
+    head = f"device GiB for {n} params"
+    width = len(head)
+    lines = [f"  device memory per accumulate mode at topk_ratio={plan.topk_ratio:g} (beyond the weights and their "
+             f"gradients{whose}):",
+             f"    {'accumulate':<10}  {'device B/param':>14}  {head}  {'host B/param':>12}"]
+    for row in _memory_rows(workload, plan):
+        lines.append(f"    {row['accumulate']:<10}  {row['device_bytes_per_param']:>14.2f}  "
+                     f"{row['device_bytes'] / 2**30:>{width}.2f}  {row['host_bytes_per_param']:>12.1f}"
+                     + ("  (chosen)" if row["chosen"] else ""))
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------- table
@@ -299,6 +335,8 @@ def _spread_line(profile: Profile) -> str:
 def _constructor(plan: Plan, grad_dtype: str) -> str:
     """The call that builds the optimizer with this plan's knobs, ready to paste."""
     extra = "" if grad_dtype == "float32" else f', grad_dtype="{grad_dtype}"'
+    if plan.accumulate == "host":
+        extra += ', accumulate="host"'
     return (f"optimizer = ZenFlowAdamW(model.parameters(), lr=1e-4, topk_ratio={plan.topk_ratio:g}, "
             f"update_interval={plan.update_interval}, cpu_threads={plan.cpu_threads}{extra})")
 
@@ -362,7 +400,7 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
         f"{'' if single else '; example models, pass --params and --step-time for yours'}), fastest within the "
         f"loss budget {budget:g}x AdamW ({quality_source}):")
     add(f"    {'params':>8} {'step':>9} {'topk_ratio':>10} {'U':>3} {'threads':>7} {'loss ratio':>10} "
-        f"{'pred step':>10} {'stall/window':>12} {'stall':>6} {'device mem':>11}")
+        f"{'pred step':>10} {'stall/window':>12} {'stall':>6} {'device mem':>11} {'accumulate':>10}")
     for w, p in plans:
         s = p.summary()
         flags = ([] if s["loss_budget_met"] else ["loss budget missed"]) + (
@@ -370,7 +408,7 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
         add(f"    {_count_str(w.numel):>8} {_time(w.step_time_s):>9} {s['topk_ratio']:>10.3g} "
             f"{s['update_interval']:>3} {s['cpu_threads']:>7} {_loss(s['predicted_loss_ratio']):>10} "
             f"{_time(s['predicted_time_per_step_s']):>10} {_time(s['predicted_stall_per_window_s']):>12} "
-            f"{s['predicted_stall_fraction']:>6.1%} {_size(p.prediction.device_bytes):>11}"
+            f"{s['predicted_stall_fraction']:>6.1%} {_size(p.prediction.device_bytes):>11} {p.accumulate:>10}"
             + (f"  ({'; '.join(flags)})" if flags else ""))
     add("    pred step = model step + device-side optimizer + stall per step; stall = waiting on the host job plus "
         "copies not hidden")
@@ -378,6 +416,8 @@ def _render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | 
         add("    topk_ratio 1 (update_interval 1): no offloading, plain AdamW on the device; chosen where offloading "
             "would not make the step faster than the 1% tie" + (" (why: below)" if single else ""))
     if single:
+        add("")
+        lines.extend(_memory_table(*plans[0]))
         add("")
         add("  why:")
         lines.extend("    " + line for line in plans[0][1].reason.splitlines())
@@ -413,7 +453,7 @@ def _plot(path: Path, profile: Profile, workload: Workload, chosen: Plan, qualit
     for i, r in enumerate(rs):
         for j, u in enumerate(us):
             pr = predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=chosen.cpu_threads,
-                         select_windows=targets.select_windows)
+                         select_windows=targets.select_windows, accumulate=chosen.accumulate)
             step[i, j] = pr.step_s / workload.step_time_s
             stall[i, j] = pr.stall_fraction
             q = quality.predict(r, u)
@@ -574,8 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "busy": profile.busy(),
             "profile": profile.to_dict(),
             "quality_table": {"source": quality.source, "task": quality.task, "command": quality.command},
-            "plans": [dict(p.to_dict(), params=w.numel, step_time_s=w.step_time_s, device=w.device)
-                      for w, p in plans],
+            "plans": [dict(p.to_dict(), params=w.numel, step_time_s=w.step_time_s, device=w.device,
+                           memory=_memory_rows(w, p)) for w, p in plans],
         }
         print(json.dumps(doc, indent=2))
     else:

@@ -112,6 +112,7 @@ def plan_for_optimizer(
     targets: Targets | None = None,
     max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO,
     quality: QualityTable | str | Path | None = None,
+    accumulate: str = "device",
     host_lr_scale: float | None = None,
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
@@ -125,13 +126,14 @@ def plan_for_optimizer(
     ``DEFAULT_SELECT_WINDOWS``); ``max_loss_ratio``, the quality budget (predicted held-out loss over AdamW's at
     equal steps), replaces ``targets.max_loss_ratio``. ``quality``: a quality table or its path (None:
     ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table). ``host_lr_scale``: the user's, or None to choose
-    (from the quality table's measured entries, DESIGN §8).
+    (from the quality table's measured entries, DESIGN §8). ``accumulate``: where the optimizer placed the window
+    sums ("device" or "host"), which it decides before it plans: the prediction and the memory budget follow.
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
     ``python -m zenflow_triton.autotune``). The device-memory budget on CUDA is ``MEMORY_BUDGET_FRACTION`` of
-    the memory free now plus the fp32 accumulators, which the optimizer holds already when it plans; CPU
-    tensors have no budget.
+    the memory free now plus the fp32 accumulators, which the optimizer holds already when it plans (none with
+    accumulate="host"); CPU tensors have no budget.
     """
     import torch
 
@@ -154,7 +156,7 @@ def plan_for_optimizer(
     kind = "cuda" if device.type == "cuda" else "cpu"
     if kind == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        acc_held = sum(r * c for r, c in shapes) * 4
+        acc_held = sum(r * c for r, c in shapes) * 4 if accumulate == "device" else 0
         budget = MEMORY_BUDGET_FRACTION * free + acc_held
     workload = Workload(shapes=shapes, step_time_s=float(step_time_s), param_bytes=_dtype_bytes(param_dtype),
                         grad_dtype=grad_dtype, device=kind, memory_budget_bytes=budget)
@@ -164,7 +166,7 @@ def plan_for_optimizer(
     table = quality if isinstance(quality, QualityTable) else quality_table_for(quality)
     result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
                   cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
-                  quality=table, profile_source=source, host_lr_scale=host_lr_scale,
+                  quality=table, profile_source=source, host_lr_scale=host_lr_scale, accumulate=accumulate,
                   relax_hint="fix topk_ratio and update_interval yourself to trade quality for speed "
                              "(`python -m zenflow_triton.autotune --max-loss-ratio` shows the trade)")
     logger.debug("zenflow_triton autotune plan (%s):\n%s", source, result.reason)

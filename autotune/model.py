@@ -19,7 +19,19 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
   ``acc``); on CPU tensors both copies (the training thread makes them);
 - ``stall_s = wait_s + copy_s``: all the time a window loses to host-side work; the *stall fraction* is
   ``stall_s / (U * T)``;
-- device memory for the optimizer's device state: ``P * (acc_bytes + 12 * r)``;
+- device memory for the optimizer's device state: ``P * (acc_bytes + 12 * r)``, where ``acc_bytes`` is 4 with
+  ``accumulate="device"`` and 0 with ``"host"`` (:func:`device_bytes_per_param`);
+- with ``accumulate="host"`` (:func:`predict`'s ``accumulate``) every step's gradient crosses to the host instead of
+  one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing slots (bf16 with
+  ``grad_dtype="bfloat16"``, else the gradient's own dtype), ``add_s`` the ``U`` host adds into the fp32 window sum
+  (read the sum and the landed gradient, write the sum: ``8 + slot_bytes`` bytes per element) at
+  :func:`host_add_bytes_per_s`: twice the profile's host ``memcpy`` peak, since a copy reads and writes each byte it
+  counts (an assumption: the profile holds no figure of the add kernel itself, which streams at >= 0.9x the
+  machine's bandwidth ceiling in ``bench/report_host.py``). The window end ships nothing, so the job is the last
+  step's copy and add, then the AdamW; each step's copy (on CUDA a stream of its own, overlapping the next step)
+  and add (a second host thread) are double-buffered, so the slower of the two is exposed by what it exceeds one
+  step (``T + dev_s``) by; on CPU tensors the training thread makes the copies, all exposed. The adds share the
+  host's cores and memory bandwidth with the window's AdamW job, which the model ignores;
 - device optimizer time per step: ``P / pass_rate + r * P / adam_rate`` (the fused pass over every gradient,
   plus Adam on the selected columns);
 - the time per training step: ``step_s = T + dev_s + stall_s / U`` (what the chooser minimises).
@@ -30,18 +42,19 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 budget and the user's bounds, it takes the fastest, ties within ``Targets.speed_tolerance`` going to the lower
 loss; then the host thread count with the best measured rate that leaves one core to the training process.
 
-The module is pure: it imports only :mod:`.profile` and :mod:`.quality`, never the optimizer's package. What
-it needs from the optimizer's configuration (the number of windows between reselections) comes in as an argument
-(``Targets.select_windows``, ``select_windows=``).
+The module is pure: it imports only :mod:`.profile`, :mod:`.quality`, :mod:`.results` and :mod:`.placement`, never
+the optimizer's package. What it needs from the optimizer's configuration (the number of windows between
+reselections) comes in as an argument (``Targets.select_windows``, ``select_windows=``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
 from .quality import QualityTable, default_quality_table
@@ -49,6 +62,12 @@ from .results import Plan, Prediction, format_bytes, format_count, format_second
 
 __all__ = [
     "ACC_BYTES",
+    "ACCUMULATE_MODES",
+    "DEFAULT_PLACEMENT_RATIO",
+    "device_bytes_per_param",
+    "host_add_bytes_per_s",
+    "host_bytes_per_param",
+    "plan_accumulate",
     "GRAD_BYTES",
     "STATE_BYTES",
     "DEFAULT_SELECT_WINDOWS",
@@ -72,6 +91,8 @@ GRAD_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 ACC_BYTES = 4
 # Compact fp32 master, exp_avg, exp_avg_sq of a selected element on the device (DESIGN §4).
 STATE_BYTES = 12
+# Where the unselected columns' window sum lives (ZenFlowConfig.accumulate without "auto"; DESIGN §4).
+ACCUMULATE_MODES = ("device", "host")
 # Device traffic per element of the fused pass (read the gradient, read and write acc) and per selected
 # element of the device Adam (read and write master, m, v; write the param). Used only to turn a measured
 # device copy bandwidth into op rates on a GPU: the Triton kernels stream, so they run near copy bandwidth.
@@ -92,6 +113,11 @@ DEFAULT_MAX_LOSS_RATIO = 1.05
 # Candidate ratios besides the quality table's own: two significant digits, 1.3-1.5x apart, so a choice can land
 # between measured ratios without claiming a precision the table does not have.
 _RATIO_STEPS = (0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+
+# The ratio accumulate="auto" places the window sum by when topk_ratio is "auto" too (the optimizer places before
+# its plan): ZenFlowConfig's default topk_ratio, passed in by nothing since this module imports nothing from the
+# optimizer's package; tests/test_autotune_model.py checks that the two agree.
+DEFAULT_PLACEMENT_RATIO = 0.1
 
 DeviceKind = Literal["cuda", "cpu"]
 
@@ -232,8 +258,12 @@ def predict(
     select_interval: int | None = None,
     overlap: bool = True,
     select_windows: int = DEFAULT_SELECT_WINDOWS,
+    accumulate: str = "device",
 ) -> Prediction:
-    """Predicted per-window costs of running ``workload`` with these settings (formulas: module docstring)."""
+    """Predicted per-window costs of running ``workload`` with these settings (formulas: module docstring);
+    ``accumulate``: where the window sum lives, "device" or "host"."""
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
     if not 0.0 <= topk_ratio <= 1.0:
         raise ValueError(f"Invalid topk_ratio: {topk_ratio!r}")
     if update_interval < 1:
@@ -274,6 +304,9 @@ def predict(
         # CPU tensors: the training thread copies acc to the landing buffer and merges the snapshot itself.
         job_s = cpu_s
         copy_s = d2h_s + h2d_s
+    add_s = 0.0
+    if accumulate == "host" and r < 1.0:
+        job_s, copy_s, d2h_s, add_s = _host_sums(profile, workload, u, t + device_step_s, cpu_s, h2d_s)
     if overlap:
         # A job overlaps the U steps (model compute plus the device-side optimizer) of the next window ...
         hidden = u * (t + device_step_s)
@@ -295,14 +328,67 @@ def predict(
         cpu_s=cpu_s,
         d2h_s=d2h_s,
         h2d_s=h2d_s,
-        host_s=cpu_s + d2h_s + h2d_s,
+        host_s=cpu_s + d2h_s + h2d_s + add_s,
         job_s=job_s,
         wait_s=wait_s,
         copy_s=copy_s,
         stall_s=wait_s + copy_s,
         device_step_s=device_step_s,
-        device_bytes=p * (ACC_BYTES + STATE_BYTES * r),
+        device_bytes=p * device_bytes_per_param(r, accumulate),
+        accumulate=accumulate,
+        add_s=add_s,
     )
+
+
+def device_bytes_per_param(topk_ratio: float, accumulate: str = "device") -> float:
+    """The optimizer's device state per offloaded element beyond the weight and its gradient: the compact fp32
+    master and moments of the selected columns, plus the fp32 window sum with ``accumulate="device"``."""
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
+    return (ACC_BYTES if accumulate == "device" else 0) + STATE_BYTES * topk_ratio
+
+
+def _slot_bytes(param_bytes: int, grad_dtype: str) -> int:
+    """accumulate="host"'s landing slot per element: bf16 with grad_dtype="bfloat16", else the gradient's own dtype
+    (a bf16 gradient widens to fp32 exactly, so it lands as it is; state.allocate)."""
+    return GRAD_BYTES["bfloat16"] if grad_dtype == "bfloat16" else param_bytes
+
+
+def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device") -> float:
+    """Pinned host bytes per offloaded element (state.allocate's slab): fp32 master and moments, a snapshot in the
+    model dtype unless fp32, and with "device" one landing buffer in ``grad_dtype``, with "host" two fp32 window sums
+    and two landing slots (:func:`_slot_bytes`). An fp32 CPU parameter with overlap=False is its own master (4 less)."""
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
+    snapshot = 0 if param_bytes == 4 else param_bytes
+    if accumulate == "device":
+        return STATE_BYTES + GRAD_BYTES[grad_dtype] + snapshot
+    return STATE_BYTES + 2 * ACC_BYTES + 2 * _slot_bytes(param_bytes, grad_dtype) + snapshot
+
+
+def host_add_bytes_per_s(profile: Profile) -> float:
+    """Memory traffic per second of accumulate="host"'s add: the profile has no figure of the add kernel, so twice
+    its host memcpy's peak (a copy of n bytes reads n and writes n; the add streams the same way)."""
+    return 2.0 * profile.memcpy.peak
+
+
+def _host_sums(profile: Profile, workload: Workload, u: int, period_s: float, cpu_s: float,
+               h2d_s: float) -> tuple[float, float, float, float]:
+    """accumulate="host"'s window: ``(job_s, copy_s, d2h_s, add_s)`` (formulas: module docstring). ``period_s``:
+    one step, model and device-side optimizer."""
+    gbytes = _slot_bytes(workload.param_bytes, workload.grad_dtype)
+    d2h_curve, _ = _copy_curves(profile, workload)
+    land_s = _copy_seconds(d2h_curve, workload.shapes, gbytes)  # one step's gradients, whole tensors
+    add_step_s = workload.numel * (2 * ACC_BYTES + gbytes) / host_add_bytes_per_s(profile)
+    if workload.device == "cuda":
+        # The copy stream and the adder each have two landing slots: the slower stage sets the pace.
+        job_s = land_s + add_step_s + cpu_s
+        copy_s = h2d_s + u * max(0.0, max(land_s, add_step_s) - period_s)
+    else:
+        # CPU tensors: the training thread copies each step's gradient itself.
+        job_s = add_step_s + cpu_s
+        copy_s = h2d_s + u * (land_s + max(0.0, add_step_s - period_s))
+    return job_s, copy_s, u * land_s, u * add_step_s
 
 
 # ---------------------------------------------------------------------------------------------- choice
@@ -328,12 +414,16 @@ def _floor_2sig(x: float) -> float:
     return math.floor(round(x / scale, 9)) * scale if x < 1 else 1.0
 
 
-def _memory_limit(workload: Workload) -> tuple[float | None, str]:
+def _memory_limit(workload: Workload, accumulate: str = "device") -> tuple[float | None, str]:
     """The largest ratio whose device state fits the memory budget (None: no budget), and its explanation."""
     budget = workload.memory_budget_bytes
     if budget is None:
         return None, ""
     p = workload.numel
+    if accumulate == "host":  # no device sum: only the compact state counts
+        limit = budget / p / STATE_BYTES
+        return _floor_2sig(min(1.0, limit)), (f"device memory budget {format_bytes(budget)} ({STATE_BYTES} B per "
+                                              'selected element; accumulate="host" keeps no device sum)')
     limit = (budget / p - ACC_BYTES) / STATE_BYTES
     if limit < 0:
         return -1.0, (f"the device memory budget ({format_bytes(budget)}) cannot even hold the fp32 accumulator "
@@ -395,6 +485,7 @@ def plan(
     quality: QualityTable | None = None,
     profile_source: str = "",
     relax_hint: str = "raise --max-loss-ratio to trade quality for speed",
+    accumulate: str = "device",
     host_lr_scale: float | None = None,
 ) -> Plan:
     """Choose the settings the caller left as None; predict and explain the result.
@@ -410,14 +501,15 @@ def plan(
     (``relax_hint`` is how to loosen it). ``cpu_threads`` = :func:`choose_threads`. ``host_lr_scale`` (None: choose)
     is the table's :meth:`~.quality.QualityTable.host_lr_scale` at the chosen ``(r, U, overlap)``, else 1.0; a scale
     is only taken where it measured a lower loss than 1.0 on every task, so the predicted loss ratio (1.0's) stays
-    an upper bound and the budget holds.
+    an upper bound and the budget holds. ``accumulate``: where the window sum lives ("device" or "host";
+    :func:`plan_accumulate` chooses it), for the memory budget and the predictions.
     """
     targets = targets or Targets()
     table = quality if quality is not None else default_quality_table()
     threads = cpu_threads if cpu_threads is not None else choose_threads(profile, workload.grad_dtype)
     notes: list[str] = []
 
-    r_mem, mem_why = _memory_limit(workload)
+    r_mem, mem_why = _memory_limit(workload, accumulate)
     if topk_ratio is not None:
         ratios = [float(topk_ratio)]
     elif r_mem is not None and r_mem < 0:
@@ -442,7 +534,8 @@ def plan(
         _Point(pred, table.predict(r, u) if r > 0 else None)
         for r in ratios for u in intervals
         for pred in [predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=threads,
-                             select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows)]
+                             select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows,
+                             accumulate=accumulate)]
     ]
     budget = targets.max_loss_ratio
     known = [p for p in points if p.loss is not None]
@@ -536,6 +629,8 @@ def plan(
         profile_source=profile_source,
         quality_source=table.source,
         predicted_loss_spread=spread,
+        accumulate=accumulate,
+        device_bytes_per_param={m: device_bytes_per_param(pred.topk_ratio, m) for m in ACCUMULATE_MODES},
         host_lr_scale=scale,
     )
 
@@ -576,3 +671,56 @@ def stall_grid(
                  select_windows=select_windows).stall_fraction for u in update_intervals]
         for r in topk_ratios
     ]
+
+
+def plan_accumulate(profile: Profile, workload: Workload, *, accumulate: str = "auto",
+                    placement_ratio: float | None = None, **kwargs: Any) -> Plan:
+    """:func:`plan` (``kwargs`` are its arguments) with the window sum placed, the choice in the plan.
+
+    ``accumulate``: "device" or "host" as given, or "auto": the optimizer's rule,
+    :func:`.placement.place_accumulation`, on the workload's memory budget (which holds its margin already), at
+    ``placement_ratio`` (default: the caller's fixed ``topk_ratio``, else :data:`DEFAULT_PLACEMENT_RATIO`), the ratio
+    the optimizer places by, since it places before its plan: "device" when that state fits, else "host"; "device"
+    on CPU tensors (nothing to save) or without a budget. The plan is then made in that mode (with "host" the budget
+    holds no sum). The reason gains two lines: the choice and why, and the predicted step and device state of each
+    mode at the chosen setting.
+    """
+    from .placement import place_accumulation
+
+    p = workload.numel
+    if accumulate == "auto":
+        budget = workload.memory_budget_bytes
+        fixed = kwargs.get("topk_ratio")
+        ratio = float(placement_ratio if placement_ratio is not None else
+                      fixed if fixed is not None else DEFAULT_PLACEMENT_RATIO)
+        placement = place_accumulation(device=workload.device, offloaded_numel=p, topk_ratio=ratio,
+                                       available_bytes=budget, grad_bytes=_slot_bytes(workload.param_bytes,
+                                                                                      workload.grad_dtype),
+                                       fraction=1.0, what="device memory budget")
+        choice = placement.accumulate
+        why = placement.reason
+        if workload.device == "cuda" and budget is not None:
+            by = "the caller's" if placement_ratio is None and fixed is not None else "the default ratio"
+            why = f"at topk_ratio={ratio:g} ({by}: the optimizer places the sum before it plans) " + why
+    elif accumulate in ACCUMULATE_MODES:
+        choice, why = accumulate, "fixed by the caller"
+    else:
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {('auto', *ACCUMULATE_MODES)})")
+    chosen = plan(profile, workload, accumulate=choice, **kwargs)
+    pr = chosen.prediction
+    targets = kwargs.get("targets") or Targets()
+    modes = {m: predict(profile, workload, topk_ratio=pr.topk_ratio, update_interval=pr.update_interval,
+                        cpu_threads=pr.cpu_threads, select_interval=pr.select_interval,
+                        overlap=kwargs.get("overlap", True), select_windows=targets.select_windows, accumulate=m)
+             for m in ACCUMULATE_MODES}
+    host = modes["host"]
+    u = pr.update_interval
+    lines = [
+        f'accumulate="{choice}": {why}',
+        f'predicted step at this setting: "device" {format_seconds(modes["device"].step_s)} '
+        f'({format_bytes(modes["device"].device_bytes)} of device state), "host" {format_seconds(host.step_s)} '
+        f"({format_bytes(host.device_bytes)}; per step {format_seconds(host.d2h_s / u)} of gradient copies "
+        f"and {format_seconds(host.add_s / u)} of host adds at {host_add_bytes_per_s(profile) / 1e9:.0f} GB/s, "
+        "taken as twice the measured memcpy)",
+    ]
+    return dataclasses.replace(chosen, accumulate_reason=why, reason=chosen.reason + "\n" + "\n".join(lines))

@@ -34,12 +34,13 @@ class Placement:
 def place_accumulation(
     *, device: str, offloaded_numel: int, topk_ratio: float, available_bytes: float | None, grad_bytes: int = 4,
     d2h_bytes_per_s: float | None = None, host_add_bytes_per_s: float | None = None,
-    fraction: float = PLACEMENT_FRACTION,
+    fraction: float = PLACEMENT_FRACTION, what: str = "left at the step's peak",
 ) -> Placement:
     """``device``: "cuda" or "cpu"; ``offloaded_numel``: offloaded elements (this process's); ``topk_ratio``: r;
     ``available_bytes``: device memory left at the step's peak before the optimizer's state (None: unknown, then
     "device", today's path); ``grad_bytes``: bytes per element of a landed gradient; the rates (bytes per second)
-    only add the per-step cost of "host" to the reason."""
+    only add the per-step cost of "host" to the reason. ``what`` names ``available_bytes`` in the reason (the
+    autotuner's plan passes its memory budget, which holds its margin already, with ``fraction=1``)."""
     if offloaded_numel < 0 or not 0.0 <= topk_ratio <= 1.0:
         raise ValueError(f"Invalid placement inputs: offloaded_numel={offloaded_numel}, topk_ratio={topk_ratio}")
     compact = 12.0 * topk_ratio * offloaded_numel
@@ -59,9 +60,9 @@ def place_accumulation(
         return Placement("device", "device memory unknown: the window sum stays on the device", sizes, step_s)
     budget = fraction * available_bytes
     cost = "" if step_s is None else f"; host would cost {step_s * 1e3:.2f} ms per step of copies and adds"
+    room = (f"{fraction:.0%} of " if fraction < 1 else "") + f"the {gib(available_bytes)} {what}"
     if sizes["device"] <= budget:
         return Placement("device", f"the device state with the window sum ({gib(sizes['device'])}) fits in "
-                         f"{fraction:.0%} of the {gib(available_bytes)} left at the step's peak{cost}", sizes, step_s)
+                         f"{room}{cost}", sizes, step_s)
     return Placement("host", f"the device state with the window sum ({gib(sizes['device'])}) does not fit in "
-                     f"{fraction:.0%} of the {gib(available_bytes)} left at the step's peak; without it "
-                     f"{gib(sizes['host'])}{cost}", sizes, step_s)
+                     f"{room}; without it {gib(sizes['host'])}{cost}", sizes, step_s)

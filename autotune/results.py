@@ -30,6 +30,10 @@ class Prediction:
     """Device-side optimizer time per step (fused pass plus Adam on the selected columns)."""
     device_bytes: float
     """Device memory of the optimizer's device state (acc plus compact state of the selected columns)."""
+    accumulate: str = "device"
+    """Where the window sum lives: "device" (acc above) or "host" (no acc; every step's gradient to the host)."""
+    add_s: float = 0.0
+    """accumulate="host": the window's host adds of the landed gradients into the fp32 sum."""
 
     @property
     def stall_fraction(self) -> float:
@@ -81,6 +85,12 @@ class Plan:
     quality_source: str = ""
     predicted_loss_spread: tuple[float, float] | None = None
     """(min, max) of the loss ratio over the quality table's seeds, interpolated like the ratio."""
+    accumulate: str = "device"
+    """Where the window sum lives (ZenFlowConfig.accumulate) in this plan's prediction."""
+    accumulate_reason: str = ""
+    """Why (:func:`.model.plan_accumulate`: the placement rule's reason); empty when the caller fixed it."""
+    device_bytes_per_param: dict[str, float] | None = None
+    """The optimizer's device bytes per offloaded element, per accumulate mode, at this plan's ``topk_ratio``."""
     host_lr_scale: float = 1.0
     """The host step's lr scale (DESIGN §3): 1.0 unless the quality table measured a better one at this setting."""
 
@@ -124,7 +134,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "grad_dtype": self.grad_dtype, "profile_source": self.profile_source,
                 "predicted_loss_spread": None if self.predicted_loss_spread is None
-                else list(self.predicted_loss_spread), "prediction": self.prediction.to_dict()}
+                else list(self.predicted_loss_spread), "prediction": self.prediction.to_dict(),
+                "accumulate": self.accumulate, "accumulate_reason": self.accumulate_reason,
+                "device_bytes_per_param": self.device_bytes_per_param}
 
 
 def format_seconds(x: float) -> str:

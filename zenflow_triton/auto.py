@@ -165,8 +165,9 @@ class Knobs:
     # ------------------------------------------------------------------ resolution
 
     def resolve(self, *, offloaded_shapes: Sequence[tuple[int, int]], param_dtype: torch.dtype,
-                device: torch.device) -> None:
-        """Plan every knob still "auto" from the machine profile and the measured step time (no-op when none is)."""
+                device: torch.device, accumulate: str = "device") -> None:
+        """Plan every knob still "auto" from the machine profile and the measured step time (no-op when none is);
+        ``accumulate``: where the window sums live (:func:`place_sums`, decided before), which the plan predicts."""
         if self.ready:
             return
         from .autotune import plan_for_optimizer
@@ -177,6 +178,7 @@ class Knobs:
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
             overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
+            accumulate=accumulate,
         )
         self.plan = plan
         u = int(plan.update_interval)

@@ -482,7 +482,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _plan_auto(self) -> None:
         records = self._pipeline.records
         self._knobs.resolve(offloaded_shapes=[(rec.rows, rec.cols) for rec in records.values()],
-                            param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"))
+                            param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"),
+                            accumulate=self._pipeline.accumulate or "device")
         self._stats.mark_plan()
 
 
