@@ -34,6 +34,7 @@ from .cache import (
     load_profile,
     save_profile,
 )
+from .chooser import plan, stall_grid
 from .machine import current_machine_key, machine_key
 from .model import (
     DEFAULT_MAX_LOSS_RATIO,
@@ -43,10 +44,8 @@ from .model import (
     Workload,
     format_count,
     format_seconds,
-    plan,
     predict,
     shapes_for_param_count,
-    stall_grid,
 )
 from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
 from .quality import QualityTable, QualityTableError, default_quality_table, load_quality_table

@@ -20,8 +20,9 @@ from typing import Any
 from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
 
 from .cache import ProfileError, default_profile_path, find_profile
+from .chooser import plan
 from .machine import current_machine_key
-from .model import DEFAULT_MAX_LOSS_RATIO, GRAD_BYTES, Plan, Targets, Workload, plan
+from .model import DEFAULT_MAX_LOSS_RATIO, GRAD_BYTES, Plan, Targets, Workload
 from .profile import Profile
 from .quality import QualityTable, default_quality_table, load_quality_table
 

@@ -88,7 +88,7 @@ class Plan:
     accumulate: str = "device"
     """Where the window sum lives (ZenFlowConfig.accumulate) in this plan's prediction."""
     accumulate_reason: str = ""
-    """Why (:func:`.model.plan_accumulate`: the placement rule's reason); empty when the caller fixed it."""
+    """Why (:func:`.chooser.plan_accumulate`: the placement rule's reason); empty when the caller fixed it."""
     device_bytes_per_param: dict[str, float] | None = None
     """The optimizer's device bytes per offloaded element, per accumulate mode, at this plan's ``topk_ratio``."""
     host_lr_scale: float = 1.0

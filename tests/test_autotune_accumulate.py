@@ -14,6 +14,7 @@ from autotune_profiles import synthetic_profile
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune import __main__ as cli
 from zenflow_triton.autotune.cache import save_profile
+from zenflow_triton.autotune.chooser import plan, plan_accumulate
 from zenflow_triton.autotune.model import (
     ACC_BYTES,
     DEFAULT_PLACEMENT_RATIO,
@@ -21,8 +22,6 @@ from zenflow_triton.autotune.model import (
     device_bytes_per_param,
     host_add_bytes_per_s,
     host_bytes_per_param,
-    plan,
-    plan_accumulate,
     predict,
 )
 from zenflow_triton.autotune.placement import place_accumulation

@@ -12,17 +12,15 @@ from pathlib import Path
 import pytest
 
 from zenflow_triton import config
-from zenflow_triton.autotune import model
+from zenflow_triton.autotune import chooser, model
+from zenflow_triton.autotune.chooser import choose_threads, plan, stall_grid
 from zenflow_triton.autotune.model import (
     ACC_BYTES,
     DEFAULT_SELECT_WINDOWS,
     Targets,
     Workload,
-    choose_threads,
-    plan,
     predict,
     shapes_for_param_count,
-    stall_grid,
 )
 from zenflow_triton.autotune.profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
 from zenflow_triton.autotune.quality import QualityTable
@@ -178,7 +176,7 @@ Q = make_quality()
 
 def candidates(prof: Profile, w: Workload, result, targets: Targets, quality: QualityTable = Q):
     """Every (r, U) the chooser could have taken, with its prediction and predicted loss."""
-    for r in (*model._RATIO_STEPS, *quality.topk_ratios):
+    for r in (*chooser._RATIO_STEPS, *quality.topk_ratios):
         if r < targets.min_topk_ratio or (w.memory_budget_bytes is not None
                                           and w.numel * (ACC_BYTES + 12 * r) > w.memory_budget_bytes):
             continue
@@ -410,8 +408,9 @@ def test_the_models_default_select_windows_is_the_configs():
     assert Targets().select_windows == config.DEFAULT_SELECT_WINDOWS
 
 
-def test_the_model_imports_nothing_outside_the_autotuner():
-    tree = ast.parse(Path(model.__file__).read_text())
+@pytest.mark.parametrize("module", [model, chooser], ids=["model", "chooser"])
+def test_the_model_imports_nothing_outside_the_autotuner(module):
+    tree = ast.parse(Path(module.__file__).read_text())
     absolute = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     absolute |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     assert not {m for m in absolute if m and m.split(".")[0] == "zenflow_triton"}
