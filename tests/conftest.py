@@ -32,3 +32,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def planned_with_synthetic_profile(monkeypatch):
+    """Knobs.resolve plans from the synthetic profile instead of looking for this machine's; the list of the
+    planner's keyword arguments, one entry per plan."""
+    from autotune_profiles import synthetic_profile
+
+    import zenflow_triton.autotune as autotune
+    from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
+
+    real = autotune.plan_for_optimizer
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return real(profile=synthetic_profile(), **kw)
+
+    monkeypatch.setattr(autotune, "plan_for_optimizer", fake)
+    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
+    return calls

@@ -266,19 +266,8 @@ def test_the_bridge_budgets_the_sum_only_where_the_optimizer_holds_it(monkeypatc
 
 
 @pytest.mark.parametrize("mode", ["device", "host"])
-def test_the_optimizers_auto_plan_predicts_the_mode_it_placed(monkeypatch, mode):
-    import zenflow_triton.autotune as autotune
-    from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
-
-    real = autotune.plan_for_optimizer
-    calls = []
-
-    def fake(**kw):
-        calls.append(kw)
-        return real(profile=synthetic_profile(), **kw)
-
-    monkeypatch.setattr(autotune, "plan_for_optimizer", fake)
-    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
+def test_the_optimizers_auto_plan_predicts_the_mode_it_placed(planned_with_synthetic_profile, mode):
+    calls = planned_with_synthetic_profile
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 128, bias=False)
     with ZenFlowAdamW(model.parameters(), accumulate=mode, topk_ratio="auto", update_interval="auto") as opt:

@@ -13,28 +13,11 @@ import pytest
 import torch
 from autotune_profiles import BAD_PROFILES, synthetic_profile
 
-import zenflow_triton.autotune as autotune
 from zenflow_triton.auto import Knobs, announce
-from zenflow_triton.autotune.bridge import QUALITY_ENV_VAR
 from zenflow_triton.autotune.model import DEFAULT_MAX_LOSS_RATIO
 from zenflow_triton.config import ZenFlowConfig
 
 SHAPES = [(256, 1024)] * 4
-
-
-@pytest.fixture
-def planned_with_synthetic_profile(monkeypatch):
-    """Knobs.resolve plans from the synthetic profile instead of looking for this machine's."""
-    real = autotune.plan_for_optimizer
-    calls = []
-
-    def fake(**kw):
-        calls.append(kw)
-        return real(profile=synthetic_profile(), **kw)
-
-    monkeypatch.setattr(autotune, "plan_for_optimizer", fake)
-    monkeypatch.delenv(QUALITY_ENV_VAR, raising=False)
-    return calls
 
 
 def stats(windows: int = 0, stall_s: float = 0.0) -> SimpleNamespace:
