@@ -33,7 +33,7 @@ from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops
 from .params import (
     check_betas_pair,
     check_group,
-    check_param,
+    check_new_group,
     check_unchanged,
     gather_step,
     hyperparams,
@@ -136,20 +136,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim surface
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        if isinstance(params, set):  # torch's error, before our checks iterate it
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                            "tensors in sets will change between runs. Please use a list instead.")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        existing = [q for g in self.param_groups for q in g["params"]]
-        if existing:
-            # The parameters' device now: an optimizer built over meta parameters follows them to the device that
-            # module.to_empty(device=...) gave them (how FSDP2 and init_empty_weights build large models).
-            self._device = existing[0].device
-        for i, p in enumerate(params):
-            named = isinstance(p, tuple) and len(p) == 2  # named parameters: (name, tensor)
-            self._device = check_param(p[1] if named else p, i, self._device)
-        check_group({**self.defaults, **param_group}, decoupled=self._decoupled)
+        params, self._device = check_new_group(param_group, self.param_groups, self.defaults, self._device,
+                                               decoupled=self._decoupled)
         super().add_param_group(dict(param_group, params=params))
 
     @torch.no_grad()

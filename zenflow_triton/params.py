@@ -13,8 +13,8 @@ from .columns import is_offloaded
 from .kernels import MODEL_DTYPES, AdamHyperparams
 from .sharding import check_placement, local
 
-__all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_param", "check_unchanged", "describe",
-           "gather_step", "hyperparams", "offloads", "warn_kept_resident"]
+__all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_new_group", "check_param",
+           "check_unchanged", "describe", "gather_step", "hyperparams", "offloads", "warn_kept_resident"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -101,6 +101,28 @@ def check_param(p: Any, i: int, device: torch.device | None) -> torch.device:
 META_HINT = ("module.to_empty(device=...) and module.to(...) replace meta parameters by new tensors, so an optimizer "
              "built before holds the meta ones; build it after materializing the model, or call "
              "torch.__future__.set_swap_module_params_on_conversion(True) first, which keeps the parameters' identity")
+
+
+def check_new_group(param_group: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]],
+                    defaults: Mapping[str, Any], device: torch.device | None, *,
+                    decoupled: bool) -> tuple[list[Any], torch.device | None]:
+    """``add_param_group``'s checks, as torch makes them and ours (every parameter, the group's options): the
+    group's parameters as a list, and the parameters' device."""
+    params = param_group["params"]
+    if isinstance(params, set):  # torch's error, before our checks iterate it
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    existing = [q for g in param_groups for q in g["params"]]
+    if existing:
+        # The parameters' device now: an optimizer built over meta parameters follows them to the device that
+        # module.to_empty(device=...) gave them (how FSDP2 and init_empty_weights build large models).
+        device = existing[0].device
+    for i, p in enumerate(params):
+        named = isinstance(p, tuple) and len(p) == 2  # named parameters: (name, tensor)
+        device = check_param(p[1] if named else p, i, device)
+    check_group({**defaults, **param_group}, decoupled=decoupled)
+    return params, device
 
 
 def check_grad(p: torch.Tensor, g: torch.Tensor, *, offloaded: bool) -> None:
