@@ -156,3 +156,32 @@ def test_accumulate_into_no_acc_raises(backend):
     args = replace(_args(case, dict(hp=HP, accumulate=True)), acc=None)
     with pytest.raises(ValueError, match=r"acc is None .* accumulate=True"):
         ops.fused_steps_([args])
+
+
+@pytest.mark.gpu
+def test_cuda_no_acc_equals_the_step_with_acc():
+    """Compiled (HAS_ACC=False and True): per parameter and grouped, with and without acc mixed in one fused_steps_
+    call, bit for bit what the steps with an acc give (aligned and unaligned shapes, one split and several)."""
+    shapes = [(4096, 4096, 410), (257, 30011, 3001), (2048, 2048, 0), (8192, 512, 52)]
+    for dtype in DTYPES:
+        cases = [{n: t.cuda() for n, t in _sentinel_case(rows, cols, k, dtype, seed=i).items()}
+                 for i, (rows, cols, k) in enumerate(shapes)]
+        kws = [dict(hp=HP, accumulate=False, update_score=i != 2, count_step=True) for i in range(len(shapes))]
+        with_acc = [clone(c) for c in cases]
+        per_call = [clone(c) for c in cases]
+        grouped = [clone(c) for c in cases]
+        for case, kw in zip(with_acc, kws):
+            _args(case, kw).apply(fs.fused_step_)
+        for case, kw in zip(per_call, kws):
+            replace(_args(case, kw), acc=None).apply(fs.fused_step_)
+        fs.fused_steps_([replace(_args(case, kw), acc=None) if i % 2 == 0 else _args(case, kw)
+                         for i, (case, kw) in enumerate(zip(grouped, kws))])
+        torch.cuda.synchronize()
+        for i, (before, want) in enumerate(zip(cases, with_acc)):
+            want = {**want, "acc": before["acc"]}
+            _assert_same_step(per_call[i], want, before, f"{dtype} per call {shapes[i]}")
+            got = grouped[i] if i % 2 == 0 else {**grouped[i], "acc": before["acc"]}
+            _assert_same_step(got, want, before, f"{dtype} grouped {shapes[i]}")
+            if i % 2:
+                same = torch.equal(_bits(grouped[i]["acc"]), _bits(with_acc[i]["acc"]))
+                assert same, f"{dtype} grouped {shapes[i]}: acc"
