@@ -72,9 +72,12 @@ def check_fused_step_args(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    acc: torch.Tensor,
+    acc: torch.Tensor | None,
+    accumulate: bool = False,
 ) -> tuple[int, int, int]:
-    """Returns (R, C, k) after checking every tensor of a fused step against the parameter [R, C]."""
+    """Returns (R, C, k) after checking every tensor of a fused step against the parameter [R, C]. ``acc=None`` (no
+    accumulation target: accumulate="host" keeps the window sum on the host) is allowed, but not with
+    ``accumulate=True``, which would add into nothing."""
     _check_tensor("param", param, dtypes=MODEL_DTYPES, ndim=2)
     rows, cols = param.shape
     dev = param.device
@@ -88,7 +91,11 @@ def check_fused_step_args(
         raise ValueError(f"master must have shape ({rows}, k) with k <= {cols}, got {_describe(master)}")
     _check_tensor("exp_avg", exp_avg, dtypes=(torch.float32,), shape=(rows, k), device=dev)
     _check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), shape=(rows, k), device=dev)
-    _check_tensor("acc", acc, dtypes=(torch.float32,), shape=(rows, cols), device=dev)
+    if acc is not None:
+        _check_tensor("acc", acc, dtypes=(torch.float32,), shape=(rows, cols), device=dev)
+    elif accumulate:
+        raise ValueError("acc is None (no accumulation target) but accumulate=True asks to add into it; pass an fp32 "
+                         f"acc of shape ({rows}, {cols}) or accumulate=False")
     return rows, cols, k
 
 

@@ -56,7 +56,7 @@ class DeviceOps(Protocol):
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
-        acc: torch.Tensor,
+        acc: torch.Tensor | None,
         hp: AdamHyperparams,
         accumulate: bool,
         update_score: bool = True,
@@ -64,8 +64,9 @@ class DeviceOps(Protocol):
         count_step: bool = False,
     ) -> None:
         """One pass over ``grad [R, C]``: scores, AdamW (``hp``) on the selected columns' compact state written into
-        ``param``, ``acc`` overwritten (``accumulate=False``) or added to on the rest; ``count_step=True`` first adds
-        1 to ``col_step`` on the selected columns. Full contract: ``reference.fused_step_``.
+        ``param``, ``acc`` overwritten (``accumulate=False``) or added to on the rest (``acc=None``: neither read nor
+        written, accumulate="host"); ``count_step=True`` first adds 1 to ``col_step`` on the selected columns. Full
+        contract: ``reference.fused_step_``.
 
         Implementations: ``reference.fused_step_`` (torch), ``numba_device_ops.fused_step_`` (numba),
         ``fused_step.fused_step_`` (triton).

@@ -2,7 +2,8 @@
 
 Per gradient element read once: (a) per-column squared norms into ``score``, (b) AdamW on the selected columns
 against the compact fp32 state addressed through ``slot``, result written into the model param in its own dtype,
-(c) ``acc`` overwrite-or-add on the unselected columns. Semantics: ``reference.fused_step_``.
+(c) ``acc`` overwrite-or-add on the unselected columns (none with ``acc=None``: HAS_ACC=False compiles the acc loads
+and stores away). Semantics: ``reference.fused_step_``.
 
 Two launchers: ``fused_step_`` for one parameter, ``fused_steps_`` for many at once (one launch per parameter dtype,
 the calls' tensors reached through a table of addresses), with bit-identical results.
@@ -49,7 +50,10 @@ __all__ = ["fused_step_", "fused_steps_"]
 # Compiled for sm_90a on a CPU (triton 3.9 + its ptxas, no GPU), the variants with compact state (k > 0) used 140-184
 # registers per thread, no spills; without state 21-56. With 32-bit offsets where R*C allows (WIDE=False) the
 # per-parameter variants with state take 145-152 (from 168), the grouped ones 158-181 and 48-54 without state
-# (tests/triton_sm90_compile.py reports them per variant). So 2-3 resident programs per SM, not the ~6 first assumed:
+# (tests/triton_sm90_compile.py reports them per variant). Without an acc (HAS_ACC=False, accumulate="host") ptxas
+# allocates more, not fewer: per-parameter 141-164 with state, grouped 188-192 (not analysed; presumably more of the
+# state loads scheduled early without the acc's); no spills, but the grouped bf16 kernel drops from 3 to 2 programs per
+# SM by registers: to be measured on a GPU. So 2-3 resident programs per SM, not the ~6 first assumed:
 # ~20 registers per element in flight, and 8 x 128 with 8 warps or 4 x 128 with 4 warps (106-112 registers, half the
 # elements per thread) keep the same ~20 per element, so they put no more bytes in flight; 16 x 128 reaches 255.
 # In flight per program: 1024 elements of grad + acc (6-8 KiB) and, on selected columns, up to 12 KiB of compact
@@ -142,13 +146,14 @@ def _fused_step_kernel(
     lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
     decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
     SCORE_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_STATE: tl.constexpr,
-    COUNT_STEPS: tl.constexpr, WIDE: tl.constexpr, PARAM_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    COUNT_STEPS: tl.constexpr, WIDE: tl.constexpr, PARAM_BF16: tl.constexpr, HAS_ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # Grid: (column blocks, row splits); each program streams its rows [row0, row0 + rows_per_split) in BLOCK_R tiles.
     # COUNT_STEPS: 0 col_step is read as it is; 1 this update's counts are col_step + 1 on the selected columns, and
     # this program (the only split) stores them; 2 the same counts, stored after the launch (finish_steps_), since
     # every split reads them. WIDE: R*C may pass 2^31, so offsets are 64-bit (else 32-bit: half the registers).
+    # HAS_ACC=False (acc=None, accumulate="host"): acc_ptr is a stand-in, never read or written.
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -179,13 +184,14 @@ def _fused_step_kernel(
         g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         if SCORE_MODE != 0:
             sq += g * g
-        # acc only on unselected columns: its selected columns carry no meaning, so skipping them saves bandwidth.
-        acc_mask = row_mask[:, None] & unsel[None, :]
-        if ACCUMULATE:
-            a = tl.load(acc_ptr + offs, mask=acc_mask, other=0.0) + g
-        else:
-            a = g  # first step of a window: acc is not read (it may hold anything)
-        tl.store(acc_ptr + offs, a, mask=acc_mask)
+        if HAS_ACC:
+            # acc only on unselected columns: its selected columns carry no meaning, so skipping them saves bandwidth.
+            acc_mask = row_mask[:, None] & unsel[None, :]
+            if ACCUMULATE:
+                a = tl.load(acc_ptr + offs, mask=acc_mask, other=0.0) + g
+            else:
+                a = g  # first step of a window: acc is not read (it may hold anything)
+            tl.store(acc_ptr + offs, a, mask=acc_mask)
         if HAS_STATE:
             st_mask = row_mask[:, None] & sel[None, :]
             st_offs = rows[:, None] * K + slot_i[None, :]
@@ -225,7 +231,7 @@ def fused_step_(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    acc: torch.Tensor,
+    acc: torch.Tensor | None,
     hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
@@ -242,8 +248,9 @@ def fused_step_(
         with bias correction from ``col_step`` (already incremented, and then only read; with ``count_step=True``
         first incremented here, on the selected columns); the result is written into ``param`` in its own dtype
         (bf16 and fp16 rounded to nearest even);
-    (c) unselected columns: ``acc = grad`` (``accumulate=False``) or ``acc += grad``. Selected columns of ``acc``
-        are not written, and nothing of ``param``/compact state outside the selected columns is touched.
+    (c) unselected columns: ``acc = grad`` (``accumulate=False``) or ``acc += grad``; with ``acc=None`` nothing (no
+        accumulation target: ``accumulate=True`` is then a ValueError). Selected columns of ``acc`` are not written,
+        and nothing of ``param``/compact state outside the selected columns is touched.
     Tensors are CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``), contiguous, checked like the reference.
     Selected slots must be distinct and in ``[0, k)``; ``check_slots=True`` verifies the range (a device sync),
     otherwise a bad slot is an out-of-bounds access. Hyperparameters are runtime scalars: changing them never
@@ -252,7 +259,7 @@ def fused_step_(
     """
     rows, cols, k = check_fused_step_args(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
-        exp_avg_sq=exp_avg_sq, acc=acc,
+        exp_avg_sq=exp_avg_sq, acc=acc, accumulate=accumulate,
     )
     require_hyperparams(hp)
     check_launch_device("param", param, _fused_step_kernel, __name__)
@@ -276,12 +283,12 @@ def fused_step_(
     with device_guard(param):
         _fused_step_kernel[plan.grid](
             param_bits, grad, score, score if partials is None else partials, slot, col_step,
-            master, exp_avg, exp_avg_sq, acc,
+            master, exp_avg, exp_avg_sq, score if acc is None else acc,  # score: a stand-in, never touched
             rows, cols, k, plan.rows_per_split,
             *_scalars(hp),
             SCORE_MODE=score_mode, ACCUMULATE=bool(accumulate), DECOUPLED=hp.decoupled, HAS_STATE=k > 0,
             COUNT_STEPS=count, WIDE=_wide(rows, cols, block_r), PARAM_BF16=param.dtype == torch.bfloat16,
-            BLOCK_R=block_r, BLOCK_C=block_c,
+            HAS_ACC=acc is not None, BLOCK_R=block_r, BLOCK_C=block_c,
             # No FMA contraction: the GPU then does the same IEEE operations as the interpreter, and results do not
             # change with Triton's default (which flips in 3.10).
             num_warps=_NUM_WARPS, enable_fp_fusion=False,
@@ -294,9 +301,10 @@ def fused_step_(
 
 # One row of the grouped launch's call table (int64), in this order (the kernel reads the fields by these positions):
 #   0-9 the addresses of param, grad, score, partials (score's own when unused), slot, col_step, master, exp_avg,
-#       exp_avg_sq, acc
+#       exp_avg_sq, acc (0 for acc=None: such calls go to a launch of their own, HAS_ACC=False, that never reads it)
 #   10-15 R, C, k, rows per split, column blocks, flags
-# The hyperparameters are the launch's arguments, not table fields: a launch covers the calls of one (dtype, hp).
+# The hyperparameters are the launch's arguments, not table fields: a launch covers the calls of one (dtype, hp,
+# whether they have an acc).
 _FIELDS = 16  # a power of two keeps a row on aligned 128-byte boundaries
 # Flags: bits 0-1 the score mode (0 none, 1 straight into score, 2 into the partials), bit 2 accumulate, bit 3 count
 # this step on the selected columns (use col_step + 1), bit 4 and store the counts here (the call has one split; with
@@ -326,7 +334,7 @@ def _fused_steps_kernel(
     lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
     decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
     PARAM_KIND: tl.constexpr, HAS_STATE: tl.constexpr, DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr,
-    WIDE: tl.constexpr, FIELDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDE: tl.constexpr, HAS_ACC: tl.constexpr, FIELDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # _fused_step_kernel for every call of the table, each over its own (column blocks x row splits) programs of this
     # 1-D grid. What were constexprs there (score mode, accumulate, whether this call has compact state, step counting)
@@ -334,7 +342,8 @@ def _fused_steps_kernel(
     # HAS_STATE=False (no call has compact state: warm-up, r = 0, synchronous offload) reads no state pointer, no slot
     # and no step count. ALIGNED: the host checked that every call's tensors start on 16 bytes and C % 16 == 0, which
     # the table's addresses cannot tell the compiler (a kernel argument's divisibility is specialized, a loaded one's
-    # is not): with it the gradient tiles load 128 bits per instruction.
+    # is not): with it the gradient tiles load 128 bits per instruction. HAS_ACC=False: every call of the launch has
+    # acc=None (accumulate="host"); the acc field is not loaded and nothing is summed.
     pid = tl.program_id(0)
     code = tl.load(programs_ptr + pid)
     row = table_ptr + (code >> 32) * FIELDS  # _CALL_SHIFT
@@ -350,7 +359,8 @@ def _fused_steps_kernel(
         grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     score_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     partial_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    acc_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
+    if HAS_ACC:
+        acc_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
     R = tl.load(row + 10).to(tl.int32)
     C = tl.load(row + 11).to(tl.int32)
     rows_per_split = tl.load(row + 13).to(tl.int32)
@@ -361,7 +371,8 @@ def _fused_steps_kernel(
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         score_ptr = tl.multiple_of(score_ptr, 16)
         partial_ptr = tl.multiple_of(partial_ptr, 16)
-        acc_ptr = tl.multiple_of(acc_ptr, 16)
+        if HAS_ACC:
+            acc_ptr = tl.multiple_of(acc_ptr, 16)
         C = tl.multiple_of(C, 16)
     score_mode = flags & 3
     accumulate = (flags & 4) != 0  # _ACCUMULATE
@@ -412,10 +423,11 @@ def _fused_steps_kernel(
         offs = rows[:, None] * C + cols[None, :]
         g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         sq += g * g
-        acc_mask = row_mask[:, None] & unsel[None, :]
-        a = tl.load(acc_ptr + offs, mask=tl.where(accumulate, acc_mask, False), other=0.0) + g
-        a = tl.where(accumulate, a, g)  # not 0 + g: that would turn -0.0 into +0.0
-        tl.store(acc_ptr + offs, a, mask=acc_mask)
+        if HAS_ACC:
+            acc_mask = row_mask[:, None] & unsel[None, :]
+            a = tl.load(acc_ptr + offs, mask=tl.where(accumulate, acc_mask, False), other=0.0) + g
+            a = tl.where(accumulate, a, g)  # not 0 + g: that would turn -0.0 into +0.0
+            tl.store(acc_ptr + offs, a, mask=acc_mask)
         if HAS_STATE:
             if any_sel:
                 st_mask = row_mask[:, None] & sel[None, :]
@@ -467,9 +479,13 @@ def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple[int, int, int]
             return None
         vec = (cols,)
         f32, i32 = torch.float32, torch.int32
-        for t, want_dtype, want in ((p, dtype, shape), (c.grad, dtype, shape), (c.acc, f32, shape),
-                                    (c.score, f32, vec), (c.slot, i32, vec), (c.col_step, i32, vec), (m, f32, mshape),
-                                    (c.exp_avg, f32, mshape), (c.exp_avg_sq, f32, mshape)):
+        checked = ((p, dtype, shape), (c.grad, dtype, shape), (c.score, f32, vec), (c.slot, i32, vec),
+                   (c.col_step, i32, vec), (m, f32, mshape), (c.exp_avg, f32, mshape), (c.exp_avg_sq, f32, mshape))
+        if c.acc is not None:
+            checked += ((c.acc, f32, shape),)
+        elif c.accumulate:
+            return None  # the full check raises
+        for t, want_dtype, want in checked:
             # is_contiguous() is False for strided tensors that are not, and raises for sparse ones.
             if t.dtype != want_dtype or t.shape != want or not t.is_contiguous() or t.device != device:
                 return None
@@ -486,9 +502,9 @@ def fused_steps_(
     _block_r: int | None = None,
     _block_c: int | None = None,
 ) -> None:
-    """``fused_step_`` for every call, bit-identical to calling it for each in turn, in one launch per parameter dtype
-    and hyperparameter record (two where some calls' tensors are not 16-byte aligned), plus one more for the scores
-    and step counts of matrices tall enough to split their rows.
+    """``fused_step_`` for every call, bit-identical to calling it for each in turn, in one launch per parameter dtype,
+    hyperparameter record and presence of ``acc`` (two where some calls' tensors are not 16-byte aligned), plus one
+    more for the scores and step counts of matrices tall enough to split their rows.
 
     Each call keeps its own split plan, tile and summation order; the launch covers all of their programs, so many
     small matrices fill the GPU together where each alone would leave SMs idle, and the per-call Python cost is
@@ -500,12 +516,13 @@ def fused_steps_(
         return
     first = calls[0].param
     device = first.device if isinstance(first, torch.Tensor) else None
-    groups: dict[tuple[torch.dtype, AdamHyperparams], list[tuple[FusedStepArgs, int, int, int]]] = {}
+    groups: dict[tuple[torch.dtype, AdamHyperparams, bool], list[tuple[FusedStepArgs, int, int, int]]] = {}
     for c in calls:
         shape = _quick_check(c, device)
         if shape is None:
             shape = check_fused_step_args(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step,
-                                          master=c.master, exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc)
+                                          master=c.master, exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc,
+                                          accumulate=c.accumulate)
             require_hyperparams(c.hp)
             if c.param.device != device:
                 raise ValueError(f"fused_steps_: every call must be on one device; param is on {c.param.device}, "
@@ -513,7 +530,8 @@ def fused_steps_(
             if max(shape[:2]) > _INT32_MAX:
                 raise ValueError(f"fused_steps_: a matrix side must stay below 2^31, got shape {shape[:2]}")
         if shape[0] and shape[1]:
-            groups.setdefault((c.param.dtype, c.hp), []).append((c, *shape))
+            # Calls without an acc launch apart (HAS_ACC=False): their kernel has no acc traffic to compile in.
+            groups.setdefault((c.param.dtype, c.hp, c.acc is not None), []).append((c, *shape))
     if not groups:
         return
     check_launch_device("param", first, _fused_steps_kernel, __name__)
@@ -521,18 +539,18 @@ def fused_steps_(
     block_r = _block_r or (_INTERP_BLOCK_R if interp else _BLOCK_R)
     block_c = _block_c or _BLOCK_C
     with device_guard(first):
-        for (dtype, hp), items in groups.items():
+        for (dtype, hp, has_acc), items in groups.items():
             aligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
             unaligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
             for c, rows, cols, k in items:
                 ptrs = (c.param.data_ptr(), c.grad.data_ptr(), c.score.data_ptr(), c.slot.data_ptr(),
                         c.col_step.data_ptr(), c.master.data_ptr(), c.exp_avg.data_ptr(), c.exp_avg_sq.data_ptr(),
-                        c.acc.data_ptr())
+                        0 if c.acc is None else c.acc.data_ptr())
                 ok = cols % 16 == 0 and not any(ptr % _ALIGN for ptr in ptrs)
                 (aligned if ok else unaligned).append((c, rows, cols, k, ptrs))
             for part, is_aligned in ((aligned, True), (unaligned, False)):
                 if part:
-                    _launch_group(dtype, hp, part, is_aligned, device, block_r, block_c)
+                    _launch_group(dtype, hp, has_acc, part, is_aligned, device, block_r, block_c)
 
 
 @functools.lru_cache(maxsize=32)
@@ -547,7 +565,7 @@ def _program_map(shapes: tuple[tuple[int, int], ...], block_r: int, block_c: int
     return codes.to(device), plans
 
 
-def _launch_group(dtype: torch.dtype, hp: AdamHyperparams,
+def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
                   items: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]], aligned: bool,
                   device: torch.device, block_r: int, block_c: int) -> None:
     programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _ in items), block_r, block_c, device)
@@ -581,7 +599,7 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams,
     _fused_steps_kernel[(programs.numel(),)](
         _to_device(table, device), programs, *_scalars(hp),
         PARAM_KIND=_PARAM_KIND[dtype], HAS_STATE=has_state, DECOUPLED=hp.decoupled, ALIGNED=aligned, WIDE=wide,
-        FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
+        HAS_ACC=has_acc, FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
         # As fused_step_: no FMA contraction, the same warps.
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )

@@ -163,10 +163,11 @@ def _adamw_cols_mapped(param, grad, master, exp_avg, exp_avg_sq, base, cbase, ns
 
 @register_jitable(error_model="numpy")
 def _fused_step_blocks(lo, hi, param, grad, partial, slot_cols, slot_ids, contig, master, exp_avg, exp_avg_sq, acc,
-                       cols, k, step_size, bc2_sqrt, accumulate, update_score, decay, l2, coupled, w, base_is_m, b2,
-                       omb2, eps):
-    """Row blocks ``[lo, hi)``: every column into acc and the block's partial score, then AdamW on the row's
-    selected columns while the row is still in cache. ``contig``: ``slot_ids`` is ``0 .. nsel-1``."""
+                       cols, k, step_size, bc2_sqrt, has_acc, accumulate, update_score, decay, l2, coupled, w,
+                       base_is_m, b2, omb2, eps):
+    """Row blocks ``[lo, hi)``: every column into acc (unless ``has_acc`` is False: acc=None) and the block's partial
+    score, then AdamW on the row's selected columns while the row is still in cache. ``contig``: ``slot_ids`` is
+    ``0 .. nsel-1``."""
     rows = grad.shape[0] // cols
     nsel = np.uint64(slot_cols.shape[0])
     # Scratch for the selected columns, one pair per call: per work item under prange (each thread its own, so
@@ -177,7 +178,10 @@ def _fused_step_blocks(lo, hi, param, grad, partial, slot_cols, slot_ids, contig
         pbase = np.uint64(blk * cols)
         for r in range(blk * _ROWS_PER_BLOCK, min(rows, (blk + 1) * _ROWS_PER_BLOCK)):
             base = np.uint64(r * cols)
-            if update_score:
+            if not has_acc:  # acc=None (accumulate="host"): no accumulation target, only the scores
+                if update_score:
+                    _row_score(grad, partial, base, pbase, np.uint64(cols))
+            elif update_score:
                 if accumulate:
                     _row_add_score(grad, acc, partial, base, pbase, np.uint64(cols))
                 else:
@@ -311,6 +315,10 @@ _ADD_PARTIALS = (_add_partials_parallel, _add_partials_serial)
 _MERGE = (_merge_parallel, _merge_serial)
 
 
+# The kernel's acc when the call has none (acc=None): never indexed (has_acc=False), one dtype for one compilation.
+_NO_ACC = np.zeros(0, dtype=np.float32)
+
+
 def _nblocks(rows: int) -> int:
     return (rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
 
@@ -357,7 +365,7 @@ def fused_step_(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    acc: torch.Tensor,
+    acc: torch.Tensor | None,
     hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
@@ -367,7 +375,7 @@ def fused_step_(
     """Numba twin of :func:`zenflow_triton.kernels.reference.fused_step_` for CPU tensors (same arguments)."""
     rows, cols, k = check_fused_step_args(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
-        exp_avg_sq=exp_avg_sq, acc=acc,
+        exp_avg_sq=exp_avg_sq, acc=acc, accumulate=accumulate,
     )
     require_hyperparams(hp)
     _check_cpu(param)
@@ -386,7 +394,8 @@ def fused_step_(
     _launch(
         _FUSED_STEP, rows * cols, _nblocks(rows), flat_view(param), flat_view(grad), partial, slot_cols, slot_ids,
         contig, master.numpy().reshape(-1), exp_avg.numpy().reshape(-1), exp_avg_sq.numpy().reshape(-1),
-        acc.numpy().reshape(-1), cols, k, step_size, bc2_sqrt, bool(accumulate), bool(update_score),
+        _NO_ACC if acc is None else acc.numpy().reshape(-1), cols, k, step_size, bc2_sqrt, acc is not None,
+        bool(accumulate), bool(update_score),
         *_adam_scalars(hp),
     )
     if update_score:

@@ -11,7 +11,9 @@ Layout (DESIGN §4): an offloaded parameter is viewed as a matrix ``[R, C]``; it
   for the update being applied, unless the fused step is asked to count it (``count_step=True``: it adds 1 on the
   selected columns first). No other kernel writes it.
 - ``acc`` (fp32 ``[R, C]``): sum of the unselected columns' gradients since the window began. Its
-  selected columns hold no meaning (implementations may or may not write them).
+  selected columns hold no meaning (implementations may or may not write them). ``acc=None``: no accumulation
+  target (accumulate="host" sums on the host); nothing is read or written in its place, and ``accumulate`` must be
+  False.
 
 AdamW here is ``torch.optim.AdamW``'s single-tensor update with the bias corrections taken per column, its
 hyperparameters one :class:`~zenflow_triton.kernels.hyperparams.AdamHyperparams` record ``hp`` (validated when built).
@@ -131,7 +133,7 @@ def fused_step_(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    acc: torch.Tensor,
+    acc: torch.Tensor | None,
     hp: AdamHyperparams,
     accumulate: bool,
     update_score: bool = True,
@@ -144,12 +146,13 @@ def fused_step_(
     (b) selected columns (``slot >= 0``): AdamW on the compact fp32 state with this step's gradient and
         bias correction from ``col_step`` (``count_step=True``: ``col_step += 1`` on the selected columns first, in
         place); the result is written into ``param`` in its own dtype;
-    (c) unselected columns: ``acc = grad`` (``accumulate=False``, first step of a window) or ``acc += grad``.
+    (c) unselected columns: ``acc = grad`` (``accumulate=False``, first step of a window) or ``acc += grad``;
+        nothing with ``acc=None`` (then ``accumulate=True`` is a ValueError).
     ``check_slots=True`` also verifies that every slot lies in ``[-1, k)`` (costs a device sync).
     """
     _, _, k = check_fused_step_args(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
-        exp_avg_sq=exp_avg_sq, acc=acc,
+        exp_avg_sq=exp_avg_sq, acc=acc, accumulate=accumulate,
     )
     require_hyperparams(hp)
     if check_slots:
@@ -157,7 +160,9 @@ def fused_step_(
     if update_score:
         column_sumsq_(score, grad)
     # Selected columns of acc carry no meaning, so one dense pass beats a masked gather here.
-    if accumulate:
+    if acc is None:
+        pass
+    elif accumulate:
         acc.add_(grad)
     else:
         acc.copy_(grad)

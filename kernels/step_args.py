@@ -26,7 +26,7 @@ class FusedStepArgs:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    acc: torch.Tensor
+    acc: torch.Tensor | None  # None: no accumulation target (accumulate must be False)
     hp: AdamHyperparams
     accumulate: bool
     update_score: bool = True

@@ -89,8 +89,8 @@ def _report_memory():
 
 @pytest.mark.parametrize("dtype,mode,bound", [
     (torch.float32, "ZenFlow host", 9.6), (torch.float32, "ZenFlow device", 13.6),
-    # bf16: weights 2 + grads 2 + 12r, the scratch of the largest weight (1 B/param for four equal layers)
-    (torch.bfloat16, "ZenFlow host", 6.5), (torch.bfloat16, "ZenFlow device", 9.5),
+    # bf16: weights 2 + grads 2 + 12r (no device buffer for the unselected columns: the fused step gets acc=None)
+    (torch.bfloat16, "ZenFlow host", 5.5), (torch.bfloat16, "ZenFlow device", 9.5),
 ])
 def test_device_bytes_per_param_on_cuda(dtype, mode, bound):
     rm = _report_memory()

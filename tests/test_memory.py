@@ -32,6 +32,13 @@ def test_host_accumulation_holds_at_most_9_6_bytes_per_param() -> None:
     assert host.held >= 9.2  # the harness sees the weights, the gradients and the compact state
 
 
+def test_host_accumulation_of_a_bf16_model_holds_no_device_buffer_for_the_sum() -> None:
+    """bf16 "host": weights 2 + grads 2 + compact state 1.2 + vectors and the batch (python bench/report_memory.py:
+    5.26 held). Before the fused step took acc=None, an fp32 scratch of the largest weight added 1 B/param (6.26)."""
+    host = report_memory.measure(report_memory.optimizers()["ZenFlow host"], dtype=torch.bfloat16, steps=STEPS)
+    assert 5.2 <= host.held <= 5.5
+
+
 def test_device_accumulation_holds_the_window_sum() -> None:
     """The same harness sees the device path's fp32 acc: 4 bytes per parameter more than "host"."""
     device = report_memory.measure(report_memory.optimizers()["ZenFlow device"], steps=STEPS)

@@ -133,7 +133,7 @@ HP = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
 HP_FIELDS = {f.name for f in fields(AdamHyperparams)}
 
 
-def fused(rows: int, cols: int, k: int, dtype: torch.dtype, **kw) -> None:
+def fused(rows: int, cols: int, k: int, dtype: torch.dtype, no_acc: bool = False, **kw) -> None:
     slot = torch.full((cols,), -1, dtype=torch.int32)
     slot[:k] = torch.arange(k, dtype=torch.int32)
     z = torch.zeros
@@ -141,7 +141,7 @@ def fused(rows: int, cols: int, k: int, dtype: torch.dtype, **kw) -> None:
     fused_step.fused_step_(
         z(rows, cols, dtype=dtype), z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
         col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k), exp_avg_sq=z(rows, k),
-        acc=z(rows, cols), hp=hp, **kw)
+        acc=None if no_acc else z(rows, cols), hp=hp, **kw)
 
 
 # The variants training builds: every param dtype, with and without selected columns, the first step of a window
@@ -161,7 +161,8 @@ fused(64, 4096, 400, torch.bfloat16, accumulate=True, count_step=True)
 fused(8192, 512, 52, torch.bfloat16, accumulate=True, count_step=True)
 
 
-def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0)), count_step: bool = True) -> None:
+def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0)), count_step: bool = True,
+            no_acc: bool = False) -> None:
     """One grouped launch per dtype, state (any call with k > 0 or none), alignment (C % 16 and 16-byte tensors) and
     width of offsets: a call with compact state and one without, one tall enough for the finishing launch."""
     from zenflow_triton.kernels.device_ops import FusedStepArgs
@@ -174,7 +175,8 @@ def grouped(dtype: torch.dtype, shapes=((256, 384, 40), (4096, 256, 0)), count_s
         calls.append(FusedStepArgs(
             param=z(rows, cols, dtype=dtype), grad=z(rows, cols, dtype=dtype), score=z(cols), slot=slot,
             col_step=torch.ones(cols, dtype=torch.int32), master=z(rows, k), exp_avg=z(rows, k),
-            exp_avg_sq=z(rows, k), acc=z(rows, cols), hp=HP, accumulate=True, count_step=count_step))
+            exp_avg_sq=z(rows, k), acc=None if no_acc else z(rows, cols), hp=HP, accumulate=not no_acc,
+            count_step=count_step))
     fused_step.fused_steps_(calls)
 
 
@@ -183,6 +185,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 for dtype in (torch.float32, torch.bfloat16):
     grouped(dtype, shapes=((256, 384, 0), (4096, 256, 0)))  # nothing selected: the variant without state
 grouped(torch.bfloat16, shapes=((256, 100, 10), (96, 200, 0)))  # C % 16 != 0: not ALIGNED
+# accumulate="host": no acc (HAS_ACC=False), in every dtype, with the step counted as the optimizer does.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    fused(256, 384, 40, dtype, no_acc=True, accumulate=False, count_step=True)
+    grouped(dtype, no_acc=True)
 # 64-bit offsets (R*C past 2^31), compiled on small tensors: nothing runs, only the variant matters.
 _narrow = fused_step._wide
 fused_step._wide = lambda rows, cols, block_r: True

@@ -60,8 +60,8 @@ def compile_accumulate_kernel() -> None:
 
 class HostSums:
     """The adder thread and the per-step state of accumulate="host" for one pipeline: the add job of each landing
-    slot (two slots, alternating by step) and the last one, the fused kernel's scratch target, and on CUDA the bf16
-    rounding buffer and the event after the last gradient copy."""
+    slot (two slots, alternating by step) and the last one, and on CUDA the bf16 rounding buffer and the event after the
+    last gradient copy."""
 
     def __init__(self, device: torch.device) -> None:
         self.adder = HostWorker(name="zenflow-add")
@@ -74,7 +74,6 @@ class HostSums:
         self.adds: list[Future | None] = [None, None]
         self.slot = 0
         self.last: Future | None = None
-        self.scratch: torch.Tensor | None = None  # see step_sum
         # CUDA, grad_dtype="bfloat16": the one device buffer each step's gradient is rounded into before its copy.
         self.bf16_landing: torch.Tensor | None = None
         # CUDA: the event after the last per-step gradient copy. The model may reuse a gradient's memory in place
@@ -82,18 +81,12 @@ class HostSums:
         # (release_gradients).
         self.grads_read: torch.cuda.Event | None = None
 
-    def step_sum(self, grad: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
-        """What the fused step writes its unselected columns into: ``(acc, accumulate, alone)``. The kernel has no
-        sum to keep: an fp32 gradient is its own target (``acc = g`` writes every unselected element back
-        unchanged); any other dtype writes into one scratch buffer the size of the largest parameter, which nothing
-        reads, launched ``alone`` so that no two launches share it at once."""
-        if grad.dtype == torch.float32:
-            return grad, False, False
-        numel = grad.numel()
-        if self.scratch is None or self.scratch.numel() < numel:
-            self.scratch = None  # freed first: the allocator may reuse it, in stream order
-            self.scratch = torch.empty(numel, dtype=torch.float32, device=grad.device)
-        return self.scratch[:numel].view(grad.shape), False, True
+    def step_sum(self, grad: torch.Tensor) -> tuple[None, bool, bool]:
+        """What the fused step writes its unselected columns into: ``(acc, accumulate, alone)``. Nothing, in every
+        dtype: the window sum is on the host, so the kernel gets ``acc=None`` and neither reads nor writes one (no
+        device buffer, no extra write of the gradient), and its launch can share a grouped launch with the others."""
+        del grad  # the same answer for every gradient
+        return None, False, False
 
     def land(self, landed: Landed, records: Mapping[torch.Tensor, OffloadedParam], state: State, stats: Any, *,
              cpu_threads: int, wait: Callable[[Future, HostWorker], None],
@@ -171,10 +164,10 @@ class HostSums:
 
     def buffers(self) -> list[torch.Tensor | None]:
         """The device buffers it holds (for ``device_bytes_per_param``)."""
-        return [self.scratch, self.bf16_landing]
+        return [self.bf16_landing]
 
     def close(self, timeout: float) -> None:
         """Stop the adder (at most ``timeout`` seconds) and drop every buffer and job."""
         self.adder.close(timeout)
         self._finalizer.detach()
-        self.adds, self.last, self.scratch, self.bf16_landing, self.grads_read = [None, None], None, None, None, None
+        self.adds, self.last, self.bf16_landing, self.grads_read = [None, None], None, None, None

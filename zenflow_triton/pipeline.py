@@ -186,7 +186,7 @@ class Pipeline:
     def device_bytes(self, state: State) -> int:
         """Bytes this optimizer holds on the device for its offloaded parameters, beyond the weights and their
         ``.grad``: the device state entries (``acc`` unless accumulate="host", the compact selected state, the
-        per-column vectors) and the pipeline's buffers (staging, bf16 rounding, scratch, score deltas)."""
+        per-column vectors) and the pipeline's buffers (staging, bf16 rounding, score deltas)."""
         total = device_state_bytes(self.records, state)
         buffers = [entry[0] for ring in self._staging.values() for entry in ring]
         buffers += [self._bf16_landing] + (self._sums.buffers() if self._sums is not None else [])
@@ -297,10 +297,11 @@ class Pipeline:
         """accumulate="host": each step's gradient goes to the host (:meth:`land`), there is no device ``acc``."""
         return self.accumulate == "host"
 
-    def step_sum(self, p: torch.Tensor, st: dict[str, Any], grad: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    def step_sum(self, p: torch.Tensor, st: dict[str, Any],
+                 grad: torch.Tensor) -> tuple[torch.Tensor | None, bool, bool]:
         """What the fused step writes its unselected columns into, for this step of ``p``: ``(acc, accumulate,
         alone)``. On the device path, ``state["acc"]``, added into after a window's first step; with
-        accumulate="host", :meth:`.HostSums.step_sum`."""
+        accumulate="host", :meth:`.HostSums.step_sum`: ``acc=None``, nothing to write."""
         if self._sums is None:
             return st["acc"], st["acc_count"] > 0, False
         return self._sums.step_sum(grad)
