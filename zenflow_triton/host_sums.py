@@ -81,13 +81,6 @@ class HostSums:
         # (release_gradients).
         self.grads_read: torch.cuda.Event | None = None
 
-    def step_sum(self, grad: torch.Tensor) -> tuple[None, bool, bool]:
-        """What the fused step writes its unselected columns into: ``(acc, accumulate, alone)``. Nothing, in every
-        dtype: the window sum is on the host, so the kernel gets ``acc=None`` and neither reads nor writes one (no
-        device buffer, no extra write of the gradient), and its launch can share a grouped launch with the others."""
-        del grad  # the same answer for every gradient
-        return None, False, False
-
     def land(self, landed: Landed, records: Mapping[torch.Tensor, OffloadedParam], state: State, stats: Any, *,
              cpu_threads: int, wait: Callable[[Future, HostWorker], None],
              copy_stream: Callable[[torch.device], torch.cuda.Stream], test_delays: Mapping[str, int]) -> None:

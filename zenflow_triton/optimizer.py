@@ -439,16 +439,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
             # in the same pass), the rest summed into acc (with accumulate="host", step 4 is the host's: the
             # gradient lands there after the kernels).
-            acc, accumulate, alone = pipeline.step_sum(p, st, g2)
+            acc, accumulate = pipeline.step_sum(st)
             calls.append(FusedStepArgs(
                 param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
                 exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
                 accumulate=accumulate, update_score=update_score,
                 count_step=tau >= 1 and rec.masks.num_unselected < rec.cols,
             ))
-            if alone:
-                ops.fused_steps_(calls)
-                calls = []
             if pipeline.host_sums:
                 landed.append((p, g2, st["acc_count"] > 0))
             st["acc_count"] += 1

@@ -297,14 +297,13 @@ class Pipeline:
         """accumulate="host": each step's gradient goes to the host (:meth:`land`), there is no device ``acc``."""
         return self.accumulate == "host"
 
-    def step_sum(self, p: torch.Tensor, st: dict[str, Any],
-                 grad: torch.Tensor) -> tuple[torch.Tensor | None, bool, bool]:
-        """What the fused step writes its unselected columns into, for this step of ``p``: ``(acc, accumulate,
-        alone)``. On the device path, ``state["acc"]``, added into after a window's first step; with
-        accumulate="host", :meth:`.HostSums.step_sum`: ``acc=None``, nothing to write."""
-        if self._sums is None:
-            return st["acc"], st["acc_count"] > 0, False
-        return self._sums.step_sum(grad)
+    def step_sum(self, st: dict[str, Any]) -> tuple[torch.Tensor | None, bool]:
+        """What the fused step writes a parameter's unselected columns into, ``(acc, accumulate)``: on the device
+        path ``state["acc"]``, added into after a window's first step; with accumulate="host" nothing (``acc=None``:
+        the kernel neither reads nor writes a sum, which is the host's, :meth:`land`)."""
+        if self._sums is not None:
+            return None, False
+        return st["acc"], st["acc_count"] > 0
 
     def land(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], state: State, *,
              cpu_threads: int) -> None:
