@@ -26,6 +26,7 @@ __all__ = [
     "FINISH_COUNT_STEPS",
     "FINISH_FIELDS",
     "add_partials_",
+    "bias_corrections",
     "check_launch_device",
     "column_sums",
     "count_selected_steps",
@@ -34,6 +35,7 @@ __all__ = [
     "finish_steps_grouped_",
     "fp32_to_bf16_bits",
     "interpreting",
+    "load_steps",
     "plan_row_splits",
     "store_column_sums",
     "tl",
@@ -298,3 +300,44 @@ def finish_steps_grouped_(table: torch.Tensor, n_calls: int, programs: int) -> N
     ``programs`` in all. Used by ``fused_steps_``."""
     _finish_steps_grouped_kernel[(programs,)](table, n_calls, BLOCK=ADD_PARTIALS_BLOCK, num_warps=4,
                                               enable_fp_fusion=False)
+
+
+@triton.jit
+def bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C: tl.constexpr):
+    """The fused steps' per-column Adam bias corrections, ``(step_size, bc2_sqrt)``."""
+    # Per column, in fp64 and then rounded to fp32, as the reference does: step_size = lr / (1 - beta1^s) and
+    # bc2_sqrt = sqrt(1 - beta2^s). fp32 would lose ~1e-5 relative to cancellation in 1 - beta2^s at small s.
+    # beta^s by binary powering (fp64 multiplies only, so it lowers the same on every GPU and in the interpreter);
+    # the loop runs bit_length(max step) times.
+    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+    base1 = tl.zeros([BLOCK_C], dtype=tl.float64) + (tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64))
+    base2 = tl.zeros([BLOCK_C], dtype=tl.float64) + (tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64))
+    pow1 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
+    pow2 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
+    e = steps
+    # The loop bound is reduced once, not once per iteration: on a GPU each tl.max is a cross-warp reduction (shared
+    # memory + barrier, ~17 of them at step ~1e5). x -> x >> 1 is monotone, so max(e >> i) == max(e) >> i and the
+    # loop runs exactly as many times as `while tl.max(e, axis=0) > 0` would: same results, bit for bit.
+    e_max = tl.max(e, axis=0)
+    while e_max > 0:
+        odd = (e & 1) != 0
+        pow1 = tl.where(odd, pow1 * base1, pow1)
+        pow2 = tl.where(odd, pow2 * base2, pow2)
+        base1 = base1 * base1
+        base2 = base2 * base2
+        e = e >> 1
+        e_max = e_max >> 1
+    step_size = (lr / (1.0 - pow1)).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)
+    return step_size, bc2_sqrt
+
+
+@triton.jit
+def load_steps(col_step_ptr, cols, sel, COUNT):
+    """The fused steps' per-column step counts for this update."""
+    # This update's per-column step counts: col_step as stored ("already incremented"), or col_step + 1 when this
+    # call counts the step itself. Unselected lanes get step 1, not 0: keeps 1 - beta^s away from 0 (no inf/NaN on
+    # lanes that are masked anyway).
+    if COUNT:
+        return tl.load(col_step_ptr + cols, mask=sel, other=0) + 1
+    return tl.load(col_step_ptr + cols, mask=sel, other=1)

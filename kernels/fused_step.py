@@ -26,6 +26,7 @@ from ._triton_utils import (
     FINISH_COUNT_STEPS,
     FINISH_FIELDS,
     RowSplitPlan,
+    bias_corrections,
     check_launch_device,
     column_sums,
     device_guard,
@@ -33,6 +34,7 @@ from ._triton_utils import (
     finish_steps_grouped_,
     fp32_to_bf16_bits,
     interpreting,
+    load_steps,
     plan_row_splits,
     store_column_sums,
     tl,
@@ -100,45 +102,6 @@ def _scalars(hp: AdamHyperparams) -> tuple[float, ...]:
 
 
 @triton.jit
-def _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C: tl.constexpr):
-    # Per column, in fp64 and then rounded to fp32, as the reference does: step_size = lr / (1 - beta1^s) and
-    # bc2_sqrt = sqrt(1 - beta2^s). fp32 would lose ~1e-5 relative to cancellation in 1 - beta2^s at small s.
-    # beta^s by binary powering (fp64 multiplies only, so it lowers the same on every GPU and in the interpreter);
-    # the loop runs bit_length(max step) times.
-    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
-    base1 = tl.zeros([BLOCK_C], dtype=tl.float64) + (tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64))
-    base2 = tl.zeros([BLOCK_C], dtype=tl.float64) + (tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64))
-    pow1 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
-    pow2 = tl.full([BLOCK_C], 1.0, dtype=tl.float64)
-    e = steps
-    # The loop bound is reduced once, not once per iteration: on a GPU each tl.max is a cross-warp reduction (shared
-    # memory + barrier, ~17 of them at step ~1e5). x -> x >> 1 is monotone, so max(e >> i) == max(e) >> i and the
-    # loop runs exactly as many times as `while tl.max(e, axis=0) > 0` would: same results, bit for bit.
-    e_max = tl.max(e, axis=0)
-    while e_max > 0:
-        odd = (e & 1) != 0
-        pow1 = tl.where(odd, pow1 * base1, pow1)
-        pow2 = tl.where(odd, pow2 * base2, pow2)
-        base1 = base1 * base1
-        base2 = base2 * base2
-        e = e >> 1
-        e_max = e_max >> 1
-    step_size = (lr / (1.0 - pow1)).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - pow2).to(tl.float32)
-    return step_size, bc2_sqrt
-
-
-@triton.jit
-def _load_steps(col_step_ptr, cols, sel, COUNT):
-    # This update's per-column step counts: col_step as stored ("already incremented"), or col_step + 1 when this
-    # call counts the step itself. Unselected lanes get step 1, not 0: keeps 1 - beta^s away from 0 (no inf/NaN on
-    # lanes that are masked anyway).
-    if COUNT:
-        return tl.load(col_step_ptr + cols, mask=sel, other=0) + 1
-    return tl.load(col_step_ptr + cols, mask=sel, other=1)
-
-
-@triton.jit
 def _fused_step_kernel(
     param_ptr, grad_ptr, score_ptr, partial_ptr, slot_ptr, col_step_ptr,
     master_ptr, exp_avg_ptr, exp_avg_sq_ptr, acc_ptr,
@@ -166,10 +129,10 @@ def _fused_step_kernel(
         sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     if HAS_STATE:
         sel = col_mask & (slot >= 0)
-        steps = _load_steps(col_step_ptr, cols, sel, COUNT_STEPS != 0)
+        steps = load_steps(col_step_ptr, cols, sel, COUNT_STEPS != 0)
         if COUNT_STEPS == 1:
             tl.store(col_step_ptr + cols, steps, mask=sel)
-        step_size, bc2_sqrt = _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C)
+        step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C)
         slot_i = tl.where(sel, slot, 0)
         if WIDE:
             slot_i = slot_i.to(tl.int64)
@@ -402,12 +365,12 @@ def _fused_steps_kernel(
         step_size = tl.zeros([BLOCK_C], dtype=tl.float32)
         bc2_sqrt = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
         if any_sel:
-            # As _load_steps: col_step (+ 1 when this call counts the step) on selected lanes, 1 elsewhere.
+            # As load_steps: col_step (+ 1 when this call counts the step) on selected lanes, 1 elsewhere.
             stored = tl.load(col_step_ptr + cols, mask=sel, other=0)
             steps = tl.where(sel, stored + ((flags >> 3) & 1), 1)  # _COUNT
             # (tl.where, not sel & scalar: the interpreter cannot mask with a tensor & scalar of bools)
             tl.store(col_step_ptr + cols, steps, mask=tl.where((flags & 16) != 0, sel, False))  # _COUNT_HERE
-            step_size, bc2_sqrt = _bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+            step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
                                                     BLOCK_C)
         slot_i = tl.where(sel, slot, 0)
         if WIDE:
