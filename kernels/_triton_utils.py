@@ -25,6 +25,7 @@ __all__ = [
     "FINISH_ADD_SCORES",
     "FINISH_COUNT_STEPS",
     "FINISH_FIELDS",
+    "adam_columns",
     "add_partials_",
     "bias_corrections",
     "check_launch_device",
@@ -341,3 +342,22 @@ def load_steps(col_step_ptr, cols, sel, COUNT):
     if COUNT:
         return tl.load(col_step_ptr + cols, mask=sel, other=0) + 1
     return tl.load(col_step_ptr + cols, mask=sel, other=1)
+
+
+@triton.jit
+def adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2,
+                 beta2_rest, eps, DECOUPLED: tl.constexpr):
+    """The fused steps' AdamW on a tile of selected elements: the new ``(master, exp_avg, exp_avg_sq)``.
+
+    Op for op as reference.adam_update_ (torch.optim.AdamW, single tensor): same operations, same order, IEEE
+    division and square root (Triton's plain fp32 '/' and sqrt are approximate on GPUs). ``step_size`` and
+    ``bc2_sqrt`` are per column (:func:`bias_corrections`)."""
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
+    v = v * beta2 + beta2_rest * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
+    p = p - tl.div_rn(m * step_size[None, :], denom)  # reference: param.sub_(m.mul(step_size).div_(denom))
+    return p, m, v

@@ -26,6 +26,7 @@ from ._triton_utils import (
     FINISH_COUNT_STEPS,
     FINISH_FIELDS,
     RowSplitPlan,
+    adam_columns,
     bias_corrections,
     check_launch_device,
     column_sums,
@@ -161,16 +162,8 @@ def _fused_step_kernel(
             p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
             m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
             v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
-            # Op for op as reference.adam_update_ (torch.optim.AdamW, single tensor): same operations, same order,
-            # IEEE division and square root (Triton's plain fp32 '/' and sqrt are approximate on GPUs).
-            if DECOUPLED:
-                p = p * decay
-            else:
-                g = g + weight_decay * p
-            m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
-            v = v * beta2 + beta2_rest * g * g
-            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
-            p = p - tl.div_rn(m * step_size[None, :], denom)  # reference: param.sub_(m.mul(step_size).div_(denom))
+            p, m, v = adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w,
+                                   lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED)
             tl.store(master_ptr + st_offs, p, mask=st_mask)
             tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
             tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
@@ -398,14 +391,8 @@ def _fused_steps_kernel(
                 p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
                 m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
                 v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
-                if DECOUPLED:
-                    p = p * decay
-                else:
-                    g = g + weight_decay * p
-                m = tl.where(lerp_small, m + lerp_w * (g - m), g - (g - m) * lerp_w_rest)
-                v = v * beta2 + beta2_rest * g * g
-                denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
-                p = p - tl.div_rn(m * step_size[None, :], denom)
+                p, m, v = adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w,
+                                       lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED)
                 tl.store(master_ptr + st_offs, p, mask=st_mask)
                 tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
                 tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
