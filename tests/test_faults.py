@@ -75,7 +75,8 @@ def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(mo
     opt.close()
 
 
-def test_close_after_a_hung_job_returns_within_the_timeout_and_says_so(monkeypatch, caplog) -> None:
+def _hang_host_jobs(monkeypatch) -> threading.Event:
+    """Every host job hangs until the returned event is set (30 s at most)."""
     release = threading.Event()
 
     def hang(*args):
@@ -83,6 +84,11 @@ def test_close_after_a_hung_job_returns_within_the_timeout_and_says_so(monkeypat
         return 0.0
 
     monkeypatch.setattr(zpipe, "run_host_job", hang)
+    return release
+
+
+def test_close_after_a_hung_job_returns_within_the_timeout_and_says_so(monkeypatch, caplog) -> None:
+    release = _hang_host_jobs(monkeypatch)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, worker_timeout=0.5)
     _train(model, opt, range(2))  # overlap: the window's job is in flight, hung
@@ -101,13 +107,7 @@ def test_close_after_a_hung_job_returns_within_the_timeout_and_says_so(monkeypat
 
 
 def test_close_after_a_step_timed_out_returns_at_once(monkeypatch) -> None:
-    release = threading.Event()
-
-    def hang(*args):
-        release.wait(30)
-        return 0.0
-
-    monkeypatch.setattr(zpipe, "run_host_job", hang)
+    release = _hang_host_jobs(monkeypatch)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, overlap=False, worker_timeout=0.5)
     with pytest.raises(RuntimeError, match="worker_timeout"):

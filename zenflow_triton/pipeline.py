@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .auto import place_sums
 from .config import ZenFlowConfig
 from .host_jobs import HostItem, Window, compile_host_kernels, run_host_job
 from .host_memory import HostSlab
@@ -279,18 +280,12 @@ class Pipeline:
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         if self.accumulate is None:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
-            self.accumulate, self.accumulate_reason = self._place_sums(params)
+            self.accumulate, self.accumulate_reason = place_sums(params, self.config)
             if self.accumulate == "host":
                 self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
                             host_sums=self.accumulate == "host")
-
-    def _place_sums(self, params: Sequence[torch.Tensor]) -> tuple[str, str]:
-        """Where the window sums live ("device" or "host") and why (:func:`zenflow_triton.auto.place_sums`)."""
-        from .auto import place_sums
-
-        return place_sums(params, self.config)
 
     @property
     def host_sums(self) -> bool:
