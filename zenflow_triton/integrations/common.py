@@ -63,7 +63,8 @@ def close_all(optimizers: Any) -> None:
         opt.close()
 
 
-def take_over_clipping(optimizers: Any, max_norm: float | None, *, framework: str, switch_off: str) -> bool:
+def take_over_clipping(optimizers: Any, max_norm: float | None, *, framework: str, switch_off: str,
+                       moved: set[int] | None = None) -> bool:
     """Whether the framework must stop clipping because a ZenFlow optimizer clips in its place.
 
     With ``grads_in_backward=True`` the offloaded parameters' ``.grad`` is None after backward (the optimizer
@@ -73,14 +74,16 @@ def take_over_clipping(optimizers: Any, max_norm: float | None, *, framework: st
     and this returns True: the caller switches the framework's clipping off (one INFO line says so). When the
     optimizer has its own ``max_grad_norm`` too, both would clip: a ValueError says to turn the framework's off
     (``switch_off``, e.g. ``"TrainingArguments(max_grad_norm=0)"``). Optimizers without in-backward capture
-    change nothing: their ``.grad`` is ordinary and the framework clips as usual.
+    change nothing: their ``.grad`` is ordinary and the framework clipping works as usual. ``moved`` (a callback's
+    own set) records the ids of the optimizers this moved a value into, so a second run of the same optimizer
+    (the callback restored the framework's setting in between) moves it again instead of seeing two clippers.
     """
     if max_norm is None or max_norm <= 0:
         return False
     opts = [opt for opt in zenflow_optimizers(optimizers) if getattr(opt.config, "grads_in_backward", False)]
     for opt in opts:
         own = _max_grad_norm(opt)
-        if own is not None:
+        if own is not None and (moved is None or id(opt) not in moved):
             raise ValueError(
                 f"{framework} clips gradients (max norm {max_norm}) and the ZenFlow optimizer clips too "
                 f"(max_grad_norm={own}); with grads_in_backward=True the offloaded gradients are gone before "
@@ -89,6 +92,8 @@ def take_over_clipping(optimizers: Any, max_norm: float | None, *, framework: st
                 f"{framework}'s value moves into the optimizer.")
     for opt in opts:
         _set_max_grad_norm(opt, float(max_norm))
+        if moved is not None:
+            moved.add(id(opt))
     if opts:
         logger.info("zenflow_triton: %s's gradient clipping (max norm %s) moved into the ZenFlow optimizer "
                     "(max_grad_norm, over all its parameters: grads_in_backward=True consumes the offloaded "
