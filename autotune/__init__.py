@@ -47,7 +47,7 @@ from .model import (
     predict,
     shapes_for_param_count,
 )
-from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, HostAddRates, Profile
 from .quality import QualityTable, QualityTableError, default_quality_table, load_quality_table
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "CpuAdamwRates",
     "DeviceOpRates",
     "GpuInfo",
+    "HostAddRates",
     "Plan",
     "Prediction",
     "ProbeSettings",

@@ -20,7 +20,7 @@ from .model import (
     Targets,
     Workload,
     device_bytes_per_param,
-    host_add_bytes_per_s,
+    host_assumptions,
     predict,
     slot_bytes,
 )
@@ -241,6 +241,8 @@ def plan(
                  f"the fastest measured count leaving a core to training ({format_count(rate)} params/s, "
                  f"{workload.grad_dtype} gradients)"))
     lines.extend(notes)
+    if accumulate == "host" and pred.topk_ratio < 1:
+        lines.extend(host_assumptions(profile, workload, threads))
     scale, scale_line = _host_scale(table, pred.topk_ratio, u, overlap, host_lr_scale)
     if scale_line:
         lines.append(scale_line)
@@ -361,7 +363,8 @@ def plan_accumulate(profile: Profile, workload: Workload, *, accumulate: str = "
         f'predicted step at this setting: "device" {format_seconds(modes["device"].step_s)} '
         f'({format_bytes(modes["device"].device_bytes)} of device state), "host" {format_seconds(host.step_s)} '
         f"({format_bytes(host.device_bytes)}; per step {format_seconds(host.d2h_s / u)} of gradient copies "
-        f"and {format_seconds(host.add_s / u)} of host adds at {host_add_bytes_per_s(profile) / 1e9:.0f} GB/s, "
-        "taken as twice the measured memcpy)",
+        f"and {format_seconds(host.add_s / u)} of host adds)",
     ]
+    if choice != "host" and pr.topk_ratio < 1:  # a "host" plan's reason says it already
+        lines.extend(host_assumptions(profile, workload, pr.cpu_threads))
     return dataclasses.replace(chosen, accumulate_reason=why, reason=chosen.reason + "\n" + "\n".join(lines))

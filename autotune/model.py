@@ -24,16 +24,20 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 - with ``accumulate="host"`` (:func:`predict`'s ``accumulate``) every step's gradient crosses to the host instead of
   one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing slots (bf16 with
   ``grad_dtype="bfloat16"``, else the gradient's own dtype), ``add_s`` the ``U`` host adds into the fp32 window sum
-  (read the sum and the landed gradient, write the sum: ``8 + slot_bytes`` bytes per element) at
-  :func:`host_add_bytes_per_s`: twice the profile's host ``memcpy`` peak, since a copy reads and writes each byte it
-  counts (an assumption: the profile holds no figure of the add kernel itself, which streams at >= 0.9x the
-  machine's bandwidth ceiling in ``bench/report_host.py``). The window end ships nothing, so the job is the last
+  (read the sum and the landed gradient, write the sum: ``8 + slot_bytes`` bytes per element, one add per parameter)
+  timed on the profile's measured add curve (:attr:`Profile.host_add`: bytes streamed against size, at the landing
+  dtype and the measured thread count at or below ``cpu_threads``; :func:`host_add_seconds`). A profile from before
+  schema 3 has no add probe: the add is then ASSUMED to stream at :func:`host_add_bytes_per_s`, twice the host
+  ``memcpy`` peak (a copy reads and writes each byte it counts), and the plan says so (:func:`host_assumptions`).
+  The device-side pass of "host" is the fused step without a window sum (``acc=None``: ``P / pass_no_acc_rate``,
+  measured on CPU tensors, derived from the device bandwidth on CUDA; an old CPU profile without it prices the
+  with-acc pass, and says so). The window end ships nothing, so the job is the last
   step's copy and add, then the AdamW; each step's copy (on CUDA a stream of its own, overlapping the next step)
   and add (a second host thread) are double-buffered, so the slower of the two is exposed by what it exceeds one
   step (``T + dev_s``) by; on CPU tensors the training thread makes the copies, all exposed. The adds share the
   host's cores and memory bandwidth with the window's AdamW job, which the model ignores;
 - device optimizer time per step: ``P / pass_rate + r * P / adam_rate`` (the fused pass over every gradient,
-  plus Adam on the selected columns);
+  plus Adam on the selected columns; "host" runs the pass without ``acc``, above);
 - the time per training step: ``step_s = T + dev_s + stall_s / U`` (what the chooser minimises).
 
 :func:`plan` weighs speed against quality: the predicted time per training step
@@ -63,6 +67,8 @@ __all__ = [
     "DEFAULT_PLACEMENT_RATIO",
     "device_bytes_per_param",
     "host_add_bytes_per_s",
+    "host_add_seconds",
+    "host_assumptions",
     "host_bytes_per_param",
     "slot_bytes",
     "GRAD_BYTES",
@@ -91,6 +97,8 @@ ACCUMULATE_MODES = ("device", "host")
 # element of the device Adam (read and write master, m, v; write the param). Used only to turn a measured
 # device copy bandwidth into op rates on a GPU: the Triton kernels stream, so they run near copy bandwidth.
 _PASS_BYTES_FIXED = 2 * ACC_BYTES
+# The same pass without acc (accumulate="host"): it reads the gradient only (the column scores it writes are [C]).
+_PASS_NO_ACC_BYTES_FIXED = 0
 _ADAM_BYTES_FIXED = 2 * STATE_BYTES
 
 # Windows between reselections when select_interval is not fixed. The optimizer's value is
@@ -222,6 +230,7 @@ def _gpu_device_rates(gpu: GpuInfo, param_bytes: int) -> DeviceOpRates:
         pass_rate=gpu.mem_bandwidth / (param_bytes + _PASS_BYTES_FIXED),
         adam_rate=gpu.mem_bandwidth / (param_bytes + _ADAM_BYTES_FIXED),
         merge_rate=gpu.mem_bandwidth / (2 * param_bytes),  # read the staged snapshot, write the param
+        pass_no_acc_rate=gpu.mem_bandwidth / (param_bytes + _PASS_NO_ACC_BYTES_FIXED),
     )
 
 
@@ -284,7 +293,9 @@ def predict(
         if workload.device == "cuda":
             h2d_s += _copy_seconds(h2d_curve, workload.shapes, pbytes)
 
-    device_step_s = p / rates.pass_rate + r * p / rates.adam_rate
+    # "host" keeps no device sum: its pass is the fused step with acc=None, where the profile has that figure.
+    pass_rate = rates.pass_no_acc_rate if accumulate == "host" and rates.pass_no_acc_rate else rates.pass_rate
+    device_step_s = p / pass_rate + r * p / rates.adam_rate
     if workload.device == "cuda":
         # The job starts by waiting for the D2H on the copy stream, which overlaps the next step's forward and
         # backward; the device waits for it only before that step's fused kernel overwrites acc. The H2D of the
@@ -297,7 +308,7 @@ def predict(
         copy_s = d2h_s + h2d_s
     add_s = 0.0
     if accumulate == "host" and r < 1.0:
-        job_s, copy_s, d2h_s, add_s = _host_sums(profile, workload, u, t + device_step_s, cpu_s, h2d_s)
+        job_s, copy_s, d2h_s, add_s = _host_sums(profile, workload, u, t + device_step_s, cpu_s, h2d_s, cpu_threads)
     if overlap:
         # A job overlaps the U steps (model compute plus the device-side optimizer) of the next window ...
         hidden = u * (t + device_step_s)
@@ -358,19 +369,55 @@ def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "d
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:
-    """Memory traffic per second of accumulate="host"'s add: the profile has no figure of the add kernel, so twice
-    its host memcpy's peak (a copy of n bytes reads n and writes n; the add streams the same way)."""
+    """The ASSUMED memory traffic per second of accumulate="host"'s add, for a profile without the add probe
+    (before schema 3): twice its host memcpy's peak (a copy of n bytes reads n and writes n; the add streams the
+    same way)."""
     return 2.0 * profile.memcpy.peak
 
 
+def _landing(slot: int) -> str:
+    # The add probe measures fp32 and bf16 landings; an fp16 slot streams the bf16 bytes.
+    return "float32" if slot == 4 else "bfloat16"
+
+
+def host_add_seconds(profile: Profile, shapes: tuple[tuple[int, int], ...], slot: int, threads: int) -> float:
+    """One step's host adds of accumulate="host" (``sum += g``, one call per parameter of ``shapes``), ``slot``
+    bytes per landed element, at ``threads`` threads: on the profile's measured add curve, else at the assumed
+    :func:`host_add_bytes_per_s`."""
+    per_elem = 2 * ACC_BYTES + slot
+    if profile.host_add is None:
+        return sum(r * c for r, c in shapes) * per_elem / host_add_bytes_per_s(profile)
+    return _copy_seconds(profile.host_add.curve(_landing(slot), threads), shapes, per_elem)
+
+
+def host_assumptions(profile: Profile, workload: Workload, threads: int) -> list[str]:
+    """What the prediction of accumulate="host" takes from the profile, in words: the host add's rate (measured, or
+    assumed where the profile has no add probe) and the device-side pass (without acc, or the with-acc figure
+    where the profile did not measure it). For the plan's reason."""
+    slot = slot_bytes(workload.param_bytes, workload.grad_dtype)
+    if profile.host_add is None:
+        lines = [f'accumulate="host": host adds ASSUMED at {host_add_bytes_per_s(profile) / 1e9:.1f} GB/s, twice the '
+                 "measured memcpy peak (this profile has no host add probe; `python -m zenflow_triton.autotune` "
+                 "measures one)"]
+    else:
+        dt, t = profile.host_add.measured_at(_landing(slot), threads)
+        lines = [f'accumulate="host": host adds at the measured {profile.host_add.curves[dt][t].peak / 1e9:.1f} GB/s '
+                 f"peak ({dt} landing, {t} thread{'s' if t > 1 else ''}, {profile.host_add.kernel} kernel)"]
+    rates = _device_rates(profile, workload)
+    if rates.pass_no_acc_rate is None:
+        lines.append('accumulate="host": its device pass priced at the with-acc fused step (this profile did not '
+                     "measure the pass without acc; `python -m zenflow_triton.autotune` does)")
+    return lines
+
+
 def _host_sums(profile: Profile, workload: Workload, u: int, period_s: float, cpu_s: float,
-               h2d_s: float) -> tuple[float, float, float, float]:
+               h2d_s: float, threads: int) -> tuple[float, float, float, float]:
     """accumulate="host"'s window: ``(job_s, copy_s, d2h_s, add_s)`` (formulas: module docstring). ``period_s``:
-    one step, model and device-side optimizer."""
+    one step, model and device-side optimizer; ``threads``: the adder's (it runs with cpu_threads)."""
     gbytes = slot_bytes(workload.param_bytes, workload.grad_dtype)
     d2h_curve, _ = _copy_curves(profile, workload)
     land_s = _copy_seconds(d2h_curve, workload.shapes, gbytes)  # one step's gradients, whole tensors
-    add_step_s = workload.numel * (2 * ACC_BYTES + gbytes) / host_add_bytes_per_s(profile)
+    add_step_s = host_add_seconds(profile, workload.shapes, gbytes, threads)
     if workload.device == "cuda":
         # The copy stream and the adder each have two landing slots: the slower stage sets the pace.
         job_s = land_s + add_step_s + cpu_s

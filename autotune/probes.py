@@ -6,6 +6,8 @@ What is measured (DESIGN §8):
   :class:`~zenflow_triton.host_memory.HostSlab` and a side copy stream;
 - the host AdamW kernel's throughput at each thread count, fp32 and bf16 gradient landing, on buffers
   larger than the last-level cache;
+- the host add of ``accumulate="host"`` (``kernels.host_accumulate``: ``sum += g``) at each thread count, fp32 and
+  bf16 landing, over a few sizes up to beyond the last-level cache;
 - device memory bandwidth, free memory and name (the CPU model, core count and last-level cache, which the
   system states without timing, come from :mod:`.machine`);
 - host ``memcpy`` bandwidth and the torch backend's device-side ops on CPU tensors: on a machine without a
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .machine import host_description, machine_key
-from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, HostAddRates, Profile
 
 if TYPE_CHECKING:
     from zenflow_triton.kernels import AdamHyperparams
@@ -46,6 +48,7 @@ __all__ = [
     "measure_memcpy",
     "measure_pcie",
     "measure_host_adamw",
+    "measure_host_add",
     "measure_cpu_device_ops",
     "measure_gpu_memory",
 ]
@@ -58,6 +61,10 @@ MiB = 2**20
 # memory-bound one the optimizer sees on real models, not a cache-resident one.
 _ADAMW_BYTES_PER_ELEM = 3 * 4 * 2 + 4 + 2
 _ADAMW_COLS = 4096
+# Bytes the host add streams per element beyond the landed gradient: the fp32 sum read and written.
+_ADD_SUM_BYTES = 2 * 4
+# Landed gradient bytes per element, by landing dtype.
+_LANDING_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ class ProbeSettings:
     """Elements of the CPU-tensor device-step probe; None: beyond the last-level cache like the AdamW probe."""
     gpu_bandwidth_bytes: int
     quick: bool
+    add_numels: tuple[int, ...] | None = None
+    """Elements per host add call (the sizes of its curve); None: 64K (one thread: below the kernel's parallel
+    threshold), 1M, and beyond the last-level cache (16M and 4M too for the full probe)."""
 
     @classmethod
     def quick_settings(cls) -> ProbeSettings:
@@ -88,6 +98,11 @@ class ProbeSettings:
                    adamw_numel=None, adamw_repeats=5, thread_counts=None, device_ops_numel=None,
                    gpu_bandwidth_bytes=256 * MiB, quick=False)
 
+    @property
+    def add_repeats(self) -> int:
+        """Rounds of the host add probe: one round takes tens of ms, so more repeats than AdamW's cost little."""
+        return max(5, self.adamw_repeats)
+
     def describe(self) -> str:
         """What a run with these settings measures, in a line (the CLI prints it, so quick and full differ visibly)."""
         sizes = sorted(self.copy_sizes)
@@ -98,15 +113,18 @@ class ProbeSettings:
         numel = (f"{self.adamw_numel:,} params" if self.adamw_numel else
                  f"{'2' if self.quick else '4'}x the last-level cache")
         plural = "s" if len(sizes) > 1 else ""
+        adds = len(self.add_numels) if self.add_numels is not None else 3 if self.quick else 5  # _add_numels
         return (f"{'quick' if self.quick else 'full'}: copies at {len(sizes)} size{plural} ({span}) x "
-                f"{self.copy_repeats} repeats; host AdamW on {numel} at {threads} x {self.adamw_repeats} repeats")
+                f"{self.copy_repeats} repeats; host AdamW on {numel} at {threads} x {self.adamw_repeats} repeats; "
+                f"host add at {adds} sizes x {self.add_repeats} repeats")
 
     def with_overrides(self, *, adamw_numel: int | None = None, max_copy_bytes: int | None = None) -> ProbeSettings:
         """Smaller runs (tests, small machines): cap the AdamW buffer and the largest copy."""
         s = self
         if adamw_numel is not None:
             dev = min(s.device_ops_numel or adamw_numel, adamw_numel)
-            s = replace(s, adamw_numel=adamw_numel, device_ops_numel=dev)
+            adds = tuple(sorted({min(n, adamw_numel) for n in s.add_numels or (1 << 16, adamw_numel)}))
+            s = replace(s, adamw_numel=adamw_numel, device_ops_numel=dev, add_numels=adds)
         if max_copy_bytes is not None:
             sizes = tuple(n for n in s.copy_sizes if n <= max_copy_bytes) or (max_copy_bytes,)
             s = replace(s, copy_sizes=sizes, gpu_bandwidth_bytes=min(s.gpu_bandwidth_bytes, max_copy_bytes))
@@ -396,12 +414,111 @@ def measure_host_adamw(
     return CpuAdamwRates(kernel=kernel, numel=total, rates=rates, call_overhead_s=overhead)
 
 
+def _add_numels(settings: ProbeSettings, llc: int) -> list[int]:
+    if settings.add_numels is not None:
+        return sorted(set(settings.add_numels))
+    # The largest: sum and fp32 gradient (8 bytes per element) at 2x (quick) or 4x the last-level cache, the
+    # memory-bound rate of a large matrix; the smaller ones show what a matrix that stays in cache, or a call too
+    # small to wake the thread pool, costs.
+    floor, multiple = (4 << 20, 2) if settings.quick else (16 << 20, 4)
+    big = max(floor, multiple * llc // 8)
+    sizes = {1 << 16, 1 << 20, big} if settings.quick else {1 << 16, 1 << 18, 1 << 20, 1 << 22, big}
+    return sorted(n for n in sizes if n <= big)
+
+
+def measure_host_add(
+    *,
+    numels: Sequence[int],
+    thread_counts: Sequence[int],
+    repeats: int = 5,
+    landings: Sequence[str] = ("float32", "bfloat16"),
+    progress: Progress | None = None,
+    spread: dict[str, float] | None = None,
+    durations: dict[str, float] | None = None,
+) -> HostAddRates:
+    """Bytes streamed per second by accumulate="host"'s add (``kernels.host_accumulate``: fp32 ``sum += g``), at each
+    landing dtype, thread count and size in ``numels``. A call of n elements streams ``n * (8 + landing bytes)``
+    (the sum read and written, the landed gradient read).
+
+    Uses the numba kernel the optimizer's adder runs, with the adder's ``num_threads``; falls back to
+    ``kernels.reference`` (torch) where numba cannot be imported. Every (dtype, threads, size) is timed once per
+    round, ``repeats`` rounds after a warm-up round; the best time of each goes into its curve and its spread into
+    ``spread`` (``"host add float32 2 threads 1 MiB"``, the size in bytes of the fp32 sum); ``durations`` receives
+    the seconds spent compiling (``"compile_add"``).
+    """
+    from zenflow_triton.host_memory import HostSlab
+
+    try:
+        from zenflow_triton.kernels.host_accumulate import host_accumulate_
+
+        kernel = "numba"
+    except ImportError:
+        from zenflow_triton.kernels.reference import host_accumulate_
+
+        kernel = "torch-reference"
+    sizes = sorted({int(n) for n in numels})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"Invalid host add sizes: {numels!r}")
+    top = sizes[-1]
+    slab = HostSlab([((top,), torch.float32), ((top,), torch.float32), ((top,), torch.bfloat16)], pin=False)
+    total, grad32, grad16 = slab.views
+    total.zero_()
+    grad32.fill_(1e-3)  # the sum stays finite over any number of rounds
+    grad16.fill_(1e-3)
+    grads = {"float32": grad32, "bfloat16": grad16}
+
+    def call(dt: str, threads: int, n: int) -> None:
+        if kernel == "numba":
+            host_accumulate_(total[:n], grads[dt][:n], accumulate=True, num_threads=threads)
+        else:
+            host_accumulate_(total[:n], grads[dt][:n], accumulate=True)
+
+    start = time.perf_counter()
+    for dt in landings:  # compile (or load from numba's disk cache) the serial and parallel specializations
+        call(dt, 1, 1)
+        call(dt, max(thread_counts), top)
+    compile_s = time.perf_counter() - start
+    if durations is not None:
+        durations["compile_add"] = compile_s
+    if compile_s > 0.5:
+        _say(progress, f"host add ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
+
+    keys = [(dt, int(t), n) for dt in landings for t in thread_counts for n in sizes]
+    torch_threads = torch.get_num_threads()
+
+    def timed(dt: str, t: int, n: int) -> None:
+        if kernel != "numba":
+            torch.set_num_threads(t)
+        call(dt, t, n)
+
+    try:
+        # Rounds over every (dtype, threads, size): the repeats of one figure lie a whole round apart.
+        times = _interleaved([lambda k=k: timed(*k) for k in keys], repeats)
+    finally:
+        torch.set_num_threads(torch_threads)
+    points: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for (dt, t, n), ts in zip(keys, times):
+        nbytes = n * (_ADD_SUM_BYTES + _LANDING_BYTES[dt])
+        points.setdefault(dt, {}).setdefault(t, []).append((nbytes, nbytes / min(ts)))
+        if spread is not None:
+            spread[f"host add {dt} {t} threads {_fmt_bytes(4 * n)}"] = _spread(ts)
+    curves = {dt: {t: BandwidthCurve(kind=f"host-add-{dt}", points=tuple(pts)) for t, pts in tab.items()}
+              for dt, tab in points.items()}
+    for dt, tab in curves.items():
+        for t, curve in tab.items():
+            _say(progress, f"host add ({kernel}) {dt} landing, {t} thread(s): "
+                           + ", ".join(f"{_fmt_bytes(4 * n)} sum {bw / 1e9:.1f} GB/s"
+                                       for n, (_, bw) in zip(sizes, curve.points)))
+    return HostAddRates(kernel=kernel, curves=curves)
+
+
 def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None,
                            spread: dict[str, float] | None = None) -> DeviceOpRates:
     """Rates of the device-side work on CPU tensors, with the ops the optimizer's default backend runs there
     (``load_device_ops("auto", cpu)``: numba; the torch backend if numba cannot load): the pass over every
-    gradient element, the extra cost per element of Adam on selected columns (timed with none and with all
-    selected), and the merge of a host result into the unselected columns.
+    gradient element (with the window sum, and without it as accumulate="host" runs it), the extra cost per
+    element of Adam on selected columns (timed with none and with all selected), and the merge of a host result
+    into the unselected columns.
 
     Not the torch backend whatever the optimizer runs: on the 2-core CI VM the torch backend's Adam on selected
     columns measured 16-29 M elem/s, several times slower than the numba ops the optimizer uses there, and a plan
@@ -426,23 +543,33 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     unselected = torch.full((cols,), -1, dtype=torch.int32)
     hp = _probe_hyperparams()
 
-    def step(k: int, name: str) -> float:
+    def call(k: int, with_acc: bool = True) -> Callable[[], object]:
         slot = torch.arange(cols, dtype=torch.int32) if k else unselected
         state = [torch.zeros(rows, k) for _ in range(3)]
-        return _best_seconds(lambda: reference.fused_step_(
+        return lambda: reference.fused_step_(
             param, grad, score=score, slot=slot, col_step=col_step, master=state[0], exp_avg=state[1],
-            exp_avg_sq=state[2], acc=acc, hp=hp, accumulate=True), repeats, spread=spread, name=name)
+            exp_avg_sq=state[2], acc=acc if with_acc else None, hp=hp, accumulate=with_acc)
 
-    t_pass = step(0, "device pass")
-    t_all = step(cols, "device pass + Adam")
+    # The pass with the window sum and accumulate="host"'s without it (scores only; no acc read or written), in
+    # interleaved rounds: their difference is small on CPU tensors (the numba pass on the 2-core VM: 7.99 against
+    # 7.78 ms on a [2048, 1024] gradient, best of 15 interleaved), so timed one after the other, load decided it
+    # (235 against 394 M elem/s at load 4.7).
+    both = _interleaved([call(0), call(0, with_acc=False)], repeats)
+    for name, ts in zip(("device pass", "device pass without acc"), both):
+        if spread is not None:
+            spread[name] = _spread(ts)
+    t_pass, t_pass_no_acc = (min(ts) for ts in both)
+    t_all = _best_seconds(call(cols), repeats, spread=spread, name="device pass + Adam")
     # Noise can make the difference tiny or negative; never let it claim Adam is free.
     t_adam = max(t_all - t_pass, 0.05 * t_pass)
     t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats, spread=spread,
                             name="device merge")
     threads = "" if backend != "reference" else f", {torch.get_num_threads()} torch threads"
     rates = DeviceOpRates(source=f"measured: {backend} on CPU tensors{threads}",
-                          pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge)
-    _say(progress, f"CPU-tensor device step ({backend}): pass {rates.pass_rate / 1e6:.0f} M elem/s, "
+                          pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge,
+                          pass_no_acc_rate=n / t_pass_no_acc)
+    _say(progress, f"CPU-tensor device step ({backend}): pass {rates.pass_rate / 1e6:.0f} M elem/s "
+                   f"({rates.pass_no_acc_rate / 1e6:.0f} without acc), "
                    f"Adam {rates.adam_rate / 1e6:.0f} M elem/s, merge {rates.merge_rate / 1e6:.0f} M elem/s")
     return rates
 
@@ -508,6 +635,12 @@ def probe_machine(
     durations["host_adamw"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    add_repeats = settings.add_repeats
+    host_add = measure_host_add(numels=_add_numels(settings, llc), thread_counts=_thread_counts(cores, settings),
+                                repeats=add_repeats, progress=progress, spread=spread, durations=durations)
+    durations["host_add"] = time.perf_counter() - start
+
+    start = time.perf_counter()
     # Parameter, gradient and accumulator (12 bytes per element) at twice the cache: the torch ops are slow
     # enough (about 1 s per call at 4x on the 2-core CI VM) that a larger size buys nothing but time.
     dev_numel = settings.device_ops_numel or max(1 << 20, 2 * llc // 12)
@@ -548,6 +681,8 @@ def probe_machine(
         versions=versions,
         durations=durations,
         spread=spread,
-        repeats={"copy": settings.copy_repeats, "host_adamw": settings.adamw_repeats, "device_ops": device_repeats},
+        repeats={"copy": settings.copy_repeats, "host_adamw": settings.adamw_repeats, "device_ops": device_repeats,
+                 "host_add": add_repeats},
         load_average=load,
+        host_add=host_add,
     )

@@ -3,7 +3,8 @@
 :class:`Profile` holds one machine's figures: host AdamW rates per thread count and gradient dtype
 (:class:`CpuAdamwRates`), copy bandwidth against copy size (:class:`BandwidthCurve`), the device-side ops on CPU
 tensors (:class:`DeviceOpRates`) and, with CUDA, the GPU's memory and PCIe figures (:class:`GpuInfo`). Each has
-``to_dict``/``from_dict``; :mod:`.cache` wraps them in the versioned JSON file. The cost model (:mod:`.model`)
+``to_dict``/``from_dict``; the host add of ``accumulate="host"`` (:class:`HostAddRates`, optional: profiles from before
+schema 3 have none); :mod:`.cache` wraps them in the versioned JSON file. The cost model (:mod:`.model`)
 reads a profile and never touches hardware; :mod:`.probes` fills one.
 
 ``from_dict`` is the one place a profile's schema is checked: every field's type and range (finite numbers, positive
@@ -19,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NOISY_SPREAD", "BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "Profile", "ProfileError"]
+__all__ = ["NOISY_SPREAD", "BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "GpuInfo", "HostAddRates", "Profile",
+           "ProfileError"]
 
 # A profile whose figures' median spread (Profile.noise) passes this was measured on a busy machine. On the 2-core
 # CI VM at load average 4.7-4.9 (other test suites running) three quick probes measured median spreads of 15%, 31%
@@ -221,22 +223,82 @@ class DeviceOpRates:
     """Extra elements/s of the Adam update on a selected column's elements."""
     merge_rate: float
     """Elements/s of writing a host result into the parameter's unselected columns (once per window)."""
+    pass_no_acc_rate: float | None = None
+    """Elements/s of the fused pass without a window sum (``acc=None``: scores only, what ``accumulate="host"`` runs
+    each step); None in profiles from before schema 3 (not measured)."""
 
     def __post_init__(self) -> None:
-        for name in ("pass_rate", "adam_rate", "merge_rate"):
+        for name in ("pass_rate", "adam_rate", "merge_rate", "pass_no_acc_rate"):
             value = getattr(self, name)
+            if name == "pass_no_acc_rate" and value is None:
+                continue
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"invalid device {name}: {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "pass_rate": self.pass_rate, "adam_rate": self.adam_rate,
-                "merge_rate": self.merge_rate}
+                "merge_rate": self.merge_rate, "pass_no_acc_rate": self.pass_no_acc_rate}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "cpu_device") -> DeviceOpRates:
         rates = {name: _number(_get(d, name, where), f"{where}.{name}")
                  for name in ("pass_rate", "adam_rate", "merge_rate")}
-        return cls(source=str(_text(_get(d, "source", where), f"{where}.source")), **rates)
+        no_acc = _object(d, where).get("pass_no_acc_rate")  # optional: schema 3
+        return cls(source=str(_text(_get(d, "source", where), f"{where}.source")), **rates,
+                   pass_no_acc_rate=None if no_acc is None else _number(no_acc, f"{where}.pass_no_acc_rate"))
+
+
+@dataclass(frozen=True)
+class HostAddRates:
+    """The host add of ``accumulate="host"`` (``kernels.host_accumulate``: ``sum += g``, fp32 sum), measured per
+    landing dtype and thread count over a few sizes.
+
+    ``curves[landing dtype][threads]`` is a :class:`BandwidthCurve` of bytes streamed per call (read the fp32 sum
+    and the landed gradient, write the sum: ``(8 + landing bytes)`` per element) against bytes per second, so
+    ``seconds(numel * (8 + landing bytes))`` is one add's predicted time. Landing dtypes are ``"float32"`` and
+    ``"bfloat16"`` (an fp16 landing streams the bf16 bytes).
+    """
+
+    kernel: str
+    """``"numba"`` (kernels.host_accumulate) or ``"torch-reference"`` (kernels.reference, where numba is missing)."""
+    curves: Mapping[str, Mapping[int, BandwidthCurve]]
+
+    def __post_init__(self) -> None:
+        if not self.curves or any(not table for table in self.curves.values()):
+            raise ValueError("HostAddRates has no measured curve")
+
+    def measured_at(self, landing: str, threads: int) -> tuple[str, int]:
+        """The measured ``(landing, threads)`` that stands for these: the thread count nearest below ``threads``
+        (or the smallest), as :meth:`CpuAdamwRates.rate`; the first measured dtype where ``landing`` is absent."""
+        dt = landing if self.curves.get(landing) else next(iter(self.curves))
+        below = [t for t in self.curves[dt] if t <= threads]
+        return dt, max(below) if below else min(self.curves[dt])
+
+    def curve(self, landing: str, threads: int) -> BandwidthCurve:
+        """The curve that stands for ``(landing, threads)`` (:meth:`measured_at`)."""
+        dt, t = self.measured_at(landing, threads)
+        return self.curves[dt][t]
+
+    def to_dict(self) -> dict[str, Any]:
+        curves = {dt: {str(t): c.to_dict() for t, c in sorted(tab.items())} for dt, tab in self.curves.items()}
+        return {"kernel": self.kernel, "curves": curves}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "host_add") -> HostAddRates:
+        table = _object(_get(d, "curves", where), f"{where}.curves")
+        if not table:
+            raise _bad(f"{where}.curves", "empty: no host add was measured")
+        curves: dict[str, dict[int, BandwidthCurve]] = {}
+        for dt, tab in table.items():
+            at = f"{where}.curves.{dt}"
+            curves[str(dt)] = {}
+            for key, curve in _object(tab, at).items():
+                if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+                    raise _bad(at, f"key {key!r} is not a thread count >= 1")
+                curves[str(dt)][int(key)] = BandwidthCurve.from_dict(curve, f"{at}.{key}")
+            if not curves[str(dt)]:
+                raise _bad(at, "empty: no thread count was measured")
+        return cls(kernel=str(_text(_get(d, "kernel", where), f"{where}.kernel")), curves=curves)
 
 
 @dataclass(frozen=True)
@@ -296,6 +358,9 @@ class Profile:
     """Timed repeats per probe (``"copy"``, ``"host_adamw"``, ``"device_ops"``); empty before schema 2."""
     load_average: float | None = None
     """The 1-minute load average when probing ended (None: not recorded, or the system does not say)."""
+    host_add: HostAddRates | None = None
+    """accumulate="host"'s host add, measured; None in profiles from before schema 3 (the model then assumes it
+    streams at twice the memcpy peak, and says so)."""
 
     @property
     def noise(self) -> float | None:
@@ -333,12 +398,14 @@ class Profile:
             "cpu_device": self.cpu_device.to_dict(),
             "gpu": None if self.gpu is None else self.gpu.to_dict(),
             "gpu_unavailable": self.gpu_unavailable,
+            "host_add": None if self.host_add is None else self.host_add.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Profile:
         """The profile in ``d`` (``to_dict``'s form), every field checked; raises :class:`ProfileError` naming the
-        first invalid one. Fields added after schema 1 (``spread``, ``repeats``, ``load_average``) are optional."""
+        first invalid one. Fields added after schema 1 (``spread``, ``repeats``, ``load_average``; schema 3's
+        ``host_add`` and ``cpu_device.pass_no_acc_rate``) are optional."""
         d = _object(d, "")
 
         def optional(key: str, default: Any) -> Any:
@@ -350,6 +417,7 @@ class Profile:
         versions = _object(optional("versions", {}), "versions")
         load = optional("load_average", None)
         gpu = optional("gpu", None)
+        host_add = optional("host_add", None)
         return cls(
             machine_key=str(_text(_get(d, "machine_key", ""), "machine_key")),
             hostname=str(_text(_get(d, "hostname", ""), "hostname")),
@@ -370,4 +438,5 @@ class Profile:
             cpu_device=DeviceOpRates.from_dict(_get(d, "cpu_device", ""), "cpu_device"),
             gpu=None if gpu is None else GpuInfo.from_dict(gpu, "gpu"),
             gpu_unavailable=_text(optional("gpu_unavailable", None), "gpu_unavailable", optional=True),
+            host_add=None if host_add is None else HostAddRates.from_dict(host_add, "host_add"),
         )

@@ -15,6 +15,7 @@ from .model import (
     device_bytes_per_param,
     format_count,
     format_seconds,
+    host_add_bytes_per_s,
     host_bytes_per_param,
     predict,
 )
@@ -83,6 +84,26 @@ def _with_spread(text: str, profile: Profile, name: str, width: int) -> str:
     return f"{text + ('' if spread is None else f' ({spread:.0%})'):>{width}}"
 
 
+def _host_add_table(profile: Profile) -> list[str]:
+    """accumulate="host"'s host add as measured (GB/s streamed: the fp32 sum read and written, the landed gradient
+    read) per thread count, landing dtype and size (elements per call), or what the model assumes without it."""
+    h = profile.host_add
+    if h is None:
+        return [f'  host add (accumulate="host"): not measured (a profile from before schema 3); the model assumes '
+                f"{host_add_bytes_per_s(profile) / 1e9:.1f} GB/s, twice the memcpy peak"]
+    per_elem = {"float32": 12, "bfloat16": 10}  # bytes streamed per element: the probe's accounting
+    cells = {(t, dt): {n // per_elem.get(dt, 12): bw for n, bw in curve.points}
+             for dt, tab in h.curves.items() for t, curve in tab.items()}
+    sizes = sorted({n for row in cells.values() for n in row})
+    out = [f'  host add of accumulate="host" ({h.kernel}), GB/s streamed (spread): sum read and written, gradient read',
+           f"    {'threads':<8} {'landing':<9}" + "".join(f"{_count_str(n) + ' elem':>14}" for n in sizes)]
+    for (t, dt), row in sorted(cells.items()):
+        out.append(f"    {t:<8} {dt:<9}" + "".join(
+            _with_spread("-" if n not in row else f"{row[n] / 1e9:.1f}", profile,
+                         f"host add {dt} {t} threads {_probe_size(4 * n)}", 14) for n in sizes))
+    return out
+
+
 def _measured(profile: Profile) -> str:
     """What the profile's run measured, read from the profile itself (so --load says it too)."""
     curve = profile.memcpy if profile.gpu is None else profile.gpu.h2d
@@ -93,16 +114,21 @@ def _measured(profile: Profile) -> str:
     copy_reps = f" x {reps['copy']} repeats" if "copy" in reps else ""
     adamw_reps = f" x {reps['host_adamw']} repeats" if "host_adamw" in reps else ""
     total = profile.durations.get("total")
-    compiled = profile.durations.get("compile", 0.0)
+    compiled = profile.durations.get("compile", 0.0) + profile.durations.get("compile_add", 0.0)
     # A first run on a machine compiles the numba kernels (seconds; later runs load them): said apart, so a quick
     # first run taking longer than a full second one reads as what it is.
     took = "" if not total else f"; measured in {total:.1f} s" + (
         f", {compiled:.1f} s of it preparing the host kernels (numba compiles them on a machine's first run)"
         if compiled >= 0.5 else "")
     plural = "s" if len(sizes) > 1 else ""
+    adds = ""
+    if profile.host_add is not None:  # every curve holds one point per size
+        some = next(iter(next(iter(profile.host_add.curves.values())).values()))
+        adds = f"; host add at {len(some.points)} sizes" + (
+            f" x {reps['host_add']} repeats" if "host_add" in reps else "")
     return (f"{'quick' if profile.quick else 'full'}: copies at {len(sizes)} size{plural} ({span}){copy_reps}; "
             f"host AdamW on {_count_str(profile.cpu_adamw.numel)} params at {', '.join(map(str, threads))} "
-            f"threads{adamw_reps}"
+            f"threads{adamw_reps}{adds}"
             + took)
 
 
@@ -165,9 +191,11 @@ def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | N
         add(f"    {t:<11}" + "".join(_with_spread(f"{a.rates[dt][t] / 1e6:.0f}" if t in a.rates[dt] else "-", profile,
                                                   f"host AdamW {dt} {t} threads", 20) for dt in dtypes)
             + f"{_time(a.call_overhead_s[t]) if t in a.call_overhead_s else '-':>12}")
+    lines.extend(_host_add_table(profile))
     d = profile.cpu_device
-    add(f"  device step on CPU tensors ({d.source.removeprefix('measured: ')}): pass {d.pass_rate / 1e6:.0f} M elem/s, "
-        f"Adam on selected {d.adam_rate / 1e6:.0f} M elem/s, merge {d.merge_rate / 1e6:.0f} M elem/s")
+    no_acc = "" if d.pass_no_acc_rate is None else f" ({d.pass_no_acc_rate / 1e6:.0f} without acc)"
+    add(f"  device step on CPU tensors ({d.source.removeprefix('measured: ')}): pass {d.pass_rate / 1e6:.0f} M elem/s"
+        f"{no_acc}, Adam on selected {d.adam_rate / 1e6:.0f} M elem/s, merge {d.merge_rate / 1e6:.0f} M elem/s")
     add("")
     if where:
         lines.extend("  " + line for line in where)

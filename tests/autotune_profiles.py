@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from zenflow_triton.autotune.profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, Profile
+import dataclasses
+
+from zenflow_triton.autotune.profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, HostAddRates, Profile
 
 
 def synthetic_profile(*, gpu: bool = False, key: str = "host__cpu__nogpu") -> Profile:
@@ -28,6 +30,19 @@ def synthetic_profile(*, gpu: bool = False, key: str = "host__cpu__nogpu") -> Pr
         versions={"torch": "x"},
         durations={"total": 1.0},
     )
+
+
+def with_schema_3(profile: Profile, *, add_rate: float = 16e9, no_acc_rate: float = 1e9) -> Profile:
+    """``profile`` with schema 3's measured figures: a host add curve flat at ``add_rate`` bytes/s (fp32 and bf16
+    landing, 1 and 2 threads; 2 threads twice as fast) and the CPU-tensor pass without acc at ``no_acc_rate``."""
+    def flat(dt: str, rate: float) -> BandwidthCurve:
+        per_elem = 12 if dt == "float32" else 10  # bytes streamed per element, as the probe counts them
+        return BandwidthCurve(kind=f"host-add-{dt}", points=((per_elem << 16, rate), (per_elem << 22, rate)))
+
+    add = HostAddRates(kernel="numba", curves={dt: {1: flat(dt, add_rate / 2), 2: flat(dt, add_rate)}
+                                               for dt in ("float32", "bfloat16")})
+    return dataclasses.replace(profile, host_add=add,
+                               cpu_device=dataclasses.replace(profile.cpu_device, pass_no_acc_rate=no_acc_rate))
 
 
 def _set(path: str, value):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from autotune_profiles import synthetic_profile
+from autotune_profiles import synthetic_profile, with_schema_3
 
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune import __main__ as cli
@@ -21,6 +21,8 @@ from zenflow_triton.autotune.model import (
     Workload,
     device_bytes_per_param,
     host_add_bytes_per_s,
+    host_add_seconds,
+    host_assumptions,
     host_bytes_per_param,
     predict,
 )
@@ -59,7 +61,11 @@ def test_host_prediction_on_cuda_matches_the_formulas(step):
     # Unchanged by default, and the same AdamW job and way back in both modes.
     assert dev == predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=3, accumulate="device")
     assert dev.accumulate == "device" and dev.add_s == 0 and host.accumulate == "host"
-    assert host.cpu_s == dev.cpu_s and host.h2d_s == dev.h2d_s and host.device_step_s == dev.device_step_s
+    assert host.cpu_s == dev.cpu_s and host.h2d_s == dev.h2d_s
+    # "host"'s device pass is the fused step without acc: it reads the bf16 gradient only (2 B, not 2 + 8).
+    bw = prof.gpu.mem_bandwidth
+    assert dev.device_step_s == pytest.approx(N / (bw / 10) + 0.1 * N / (bw / 26))
+    assert host.device_step_s == pytest.approx(N / (bw / 2) + 0.1 * N / (bw / 26))
     # A bf16 gradient lands as it is (2 B) every step; the add reads the fp32 sum and the slot, writes the sum.
     land = N * 2 / PCIE
     add = N * (2 * ACC_BYTES + 2) / (2 * MEMCPY)
@@ -83,6 +89,62 @@ def test_host_prediction_on_cpu_tensors_exposes_every_copy():
     assert host.d2h_s == pytest.approx(2 * land) and host.add_s == pytest.approx(2 * add)
     assert host.job_s == pytest.approx(add + host.cpu_s)
     assert host.copy_s == pytest.approx(host.h2d_s + 2 * (land + max(0.0, add - 0.5 - host.device_step_s)))
+    # The synthetic profile predates schema 3: no pass without acc measured, so "host" is priced with the acc pass.
+    dev = predict(prof, w, topk_ratio=0.1, update_interval=2, cpu_threads=3)
+    assert host.device_step_s == dev.device_step_s
+
+
+def test_measured_host_add_and_pass_without_acc_replace_the_assumptions():
+    """A schema 3 profile: the add is timed on its measured curve at the landing dtype and the measured thread count
+    at or below cpu_threads; the device pass of "host" on CPU tensors is the measured acc=None one."""
+    w = workload(0.5, device="cpu", param_bytes=4, grad_dtype="bfloat16")
+    prof = with_schema_3(synthetic_profile(), add_rate=30e9, no_acc_rate=2e9)
+    host = predict(prof, w, topk_ratio=0.1, update_interval=2, cpu_threads=3, accumulate="host")
+    per_step = 4 * (4096 * 4096 * (8 + 2)) / 30e9  # four calls, bf16 landing, at the 2-thread curve
+    assert host_add_seconds(prof, SHAPES, 2, 3) == pytest.approx(per_step)
+    assert host.add_s == pytest.approx(2 * per_step)
+    assert host_add_seconds(prof, SHAPES, 2, 1) == pytest.approx(2 * per_step)  # the 1-thread curve
+    assert host_add_seconds(prof, SHAPES, 4, 2) == pytest.approx(per_step * 12 / 10)  # fp32 landing, 12 B
+    assert host.device_step_s == pytest.approx(N / 2e9 + 0.1 * N / prof.cpu_device.adam_rate)
+    dev = predict(prof, w, topk_ratio=0.1, update_interval=2, cpu_threads=3)
+    assert dev.device_step_s == pytest.approx(N / prof.cpu_device.pass_rate + 0.1 * N / prof.cpu_device.adam_rate)
+    assert dev.add_s == 0
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_host_step_falls_as_the_measured_add_rate_rises(device):
+    """Monotone: a faster measured add never makes "host"'s predicted step slower, and makes it faster while the add
+    is what the step waits for; "device" does not depend on it."""
+    base = gpu_profile() if device == "cuda" else synthetic_profile()
+    w = workload(0.001, device=device)
+    kw = dict(topk_ratio=0.1, update_interval=4, cpu_threads=2)
+    rates = [1e8, 1e9, 4e9, 16e9, 64e9, 256e9]
+    steps = [predict(with_schema_3(base, add_rate=a), w, accumulate="host", **kw).step_s for a in rates]
+    assert all(b <= a for a, b in zip(steps, steps[1:])), steps
+    assert steps[0] > steps[1] > steps[2]  # the add dominates at these rates
+    devs = {predict(with_schema_3(base, add_rate=a), w, **kw).step_s for a in rates}
+    assert len(devs) == 1
+
+
+def test_a_plan_names_the_host_assumptions_when_the_profile_lacks_the_figures():
+    old, new = synthetic_profile(), with_schema_3(synthetic_profile())
+    w = workload(0.5, device="cpu", param_bytes=4)
+    old_plan = plan(old, w, accumulate="host")
+    assert "host adds ASSUMED at 16.0 GB/s, twice the measured memcpy peak" in old_plan.reason
+    assert "priced at the with-acc fused step" in old_plan.reason
+    new_plan = plan(new, w, accumulate="host")
+    assert "ASSUMED" not in new_plan.reason and "with-acc" not in new_plan.reason
+    assert new_plan.cpu_threads == 3  # the add was measured at 1 and 2 threads: the 2-thread curve stands for 3
+    assert "host adds at the measured 16.0 GB/s peak (float32 landing, 2 threads, numba kernel)" in new_plan.reason
+    # A "device" plan only shows "host" in its comparison line, and names the assumptions there.
+    dev_plan = plan_accumulate(old, w)
+    assert dev_plan.accumulate == "device" and dev_plan.reason.count("ASSUMED") == 1
+    assert plan(old, w).reason.count("ASSUMED") == 0  # plan() in "device" mode says nothing of "host"
+    host_plan = plan_accumulate(old, w, accumulate="host")
+    assert host_plan.reason.count("ASSUMED") == 1  # said once, by the host plan itself
+    # CUDA: the pass without acc is derived from the device bandwidth.
+    gpu = plan(gpu_profile(), workload(0.5), accumulate="host", topk_ratio=0.1)
+    assert "ASSUMED" in gpu.reason and "with-acc" not in gpu.reason
 
 
 def test_no_offloading_has_no_per_step_copies_and_bad_modes_are_refused():
@@ -151,9 +213,14 @@ def test_auto_places_by_the_rule_at_the_default_ratio(room, expected):
                                                                      alone.prediction)
     lines = got.reason.splitlines()
     assert lines[:len(alone.reason.splitlines())] == alone.reason.splitlines()
-    assert lines[-2].startswith(f'accumulate="{expected}": at topk_ratio=0.1') and got.accumulate_reason in lines[-2]
-    assert ("does not fit" in lines[-2]) == (expected == "host") and "device memory budget" in lines[-2]
-    assert lines[-1].startswith('predicted step at this setting: "device"') and '"host"' in lines[-1]
+    choice, modes, *assumed = lines[len(alone.reason.splitlines()):]
+    assert choice.startswith(f'accumulate="{expected}": at topk_ratio=0.1') and got.accumulate_reason in choice
+    assert ("does not fit" in choice) == (expected == "host") and "device memory budget" in choice
+    assert modes.startswith('predicted step at this setting: "device"') and '"host"' in modes
+    # The synthetic profile has no add probe: a "device" plan names what its "host" figures assumed ("host"'s own
+    # reason already does).
+    assert assumed == (host_assumptions(prof, w, got.cpu_threads) if expected == "device" else [])
+    assert expected == "device" or any("ASSUMED" in line for line in alone.reason.splitlines())
     d = got.to_dict()
     assert d["accumulate"] == expected and d["accumulate_reason"] == got.accumulate_reason
     assert d["device_bytes_per_param"]["host"] == pytest.approx(12 * got.topk_ratio)

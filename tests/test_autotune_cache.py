@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from autotune_profiles import BAD_PROFILES, synthetic_profile
+from autotune_profiles import BAD_PROFILES, _set, synthetic_profile, with_schema_3
 
 from zenflow_triton.autotune.cache import (
     ENV_VAR,
@@ -133,13 +133,52 @@ def test_a_schema_1_file_loads_and_is_written_as_schema_2_with_the_same_fields(t
     assert old == synthetic_profile(gpu=True)
     assert old.spread == {} and old.repeats == {} and old.load_average is None and old.noise is None
     written = profile_to_json(synthetic_profile(gpu=True))
-    assert written.pop("schema_version") == SCHEMA_VERSION == 2
-    assert {k: written.pop(k) for k in ("spread", "repeats", "load_average")} == {
-        "spread": {}, "repeats": {}, "load_average": None}
+    assert written.pop("schema_version") == SCHEMA_VERSION == 3
+    assert {k: written.pop(k) for k in ("spread", "repeats", "load_average", "host_add")} == {
+        "spread": {}, "repeats": {}, "load_average": None, "host_add": None}
+    assert written["cpu_device"].pop("pass_no_acc_rate") is None  # schema 3: not measured in an old file
     expected = json.loads(SCHEMA_1_FILE)
     del expected["schema_version"]
     assert written == expected
     assert list(written) == list(expected)  # same keys in the same order
+
+
+def test_a_schema_3_profile_round_trips_its_host_add_and_an_older_one_loads_without(tmp_path):
+    prof = with_schema_3(synthetic_profile(gpu=True), add_rate=12e9, no_acc_rate=3e8)
+    loaded = load_profile(save_profile(prof, tmp_path / "p.json"))
+    assert loaded == prof and loaded.host_add.curve("bfloat16", 2).peak == 12e9
+    assert loaded.cpu_device.pass_no_acc_rate == 3e8
+    # The same file as schema 2 wrote it: no host_add, no pass_no_acc_rate; it loads, with both None.
+    data = profile_to_json(prof)
+    data["schema_version"] = 2
+    del data["host_add"], data["cpu_device"]["pass_no_acc_rate"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_profile(tmp_path / "old.json")
+    assert old.host_add is None and old.cpu_device.pass_no_acc_rate is None
+    assert old == dataclasses.replace(prof, host_add=None, cpu_device=synthetic_profile().cpu_device)
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    pytest.param(_set("host_add", []), "host_add", id="host-add-list"),
+    pytest.param(_set("host_add.curves", {}), "host_add.curves", id="host-add-empty"),
+    pytest.param(_set("host_add.curves.float32", {}), "host_add.curves.float32", id="host-add-dtype-empty"),
+    pytest.param(_set("host_add.curves.float32", {"x": 1}), "host_add.curves.float32", id="host-add-thread-key"),
+    pytest.param(_set("host_add.curves.float32.1.points", [[1024, -1.0]]),
+                 "host_add.curves.float32.1.points[0] bytes_per_second", id="host-add-rate-negative"),
+    pytest.param(_set("host_add.curves.bfloat16.2.points", [[4096, 1e9], [1024, 1e9]]),
+                 "host_add.curves.bfloat16.2.points", id="host-add-sizes-descend"),
+    pytest.param(lambda d: d["host_add"].pop("kernel"), "host_add.kernel", id="host-add-kernel-missing"),
+    pytest.param(_set("cpu_device.pass_no_acc_rate", 0), "cpu_device.pass_no_acc_rate", id="no-acc-rate-zero"),
+    pytest.param(_set("cpu_device.pass_no_acc_rate", "fast"), "cpu_device.pass_no_acc_rate", id="no-acc-rate-str"),
+])
+def test_schema_3_fields_are_checked_like_every_other(tmp_path, mutate, field):
+    data = profile_to_json(with_schema_3(synthetic_profile()))
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(path)
+    assert f"{field}:" in str(exc.value) or f"{field} " in str(exc.value), str(exc.value)
 
 
 def test_a_schema_2_profile_round_trips_its_spread(tmp_path):

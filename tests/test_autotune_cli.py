@@ -465,3 +465,34 @@ def test_a_plan_of_r_1_is_explained_in_the_table(tmp_path, capsys):
     assert code == cli.EXIT_OK
     assert "topk_ratio 1 (update_interval 1): no offloading, plain AdamW on the device" in out
     assert "why no offloading:" in out and "topk_ratio=1, update_interval=1, cpu_threads" in out
+
+
+def test_the_host_add_probe_shows_in_the_table_the_json_and_a_host_plan(tmp_path, capsys):
+    """A measuring run records the add probe (schema 3): --json carries its curves and the pass without acc, the
+    table prints them, and a "host" plan prices the adds at the measured rate; an older profile says it assumes."""
+    path = tmp_path / "profile.json"
+    argv = [*TINY, "--json", "--output", str(path), "--params", "50M", "--step-time", "0.2", "--accumulate", "host"]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_OK, err
+    doc = json.loads(out)
+    add = doc["profile"]["host_add"]
+    assert set(add["curves"]) == {"float32", "bfloat16"} and add["kernel"] in ("numba", "torch-reference")
+    assert all(bw > 0 for tab in add["curves"].values() for c in tab.values() for _, bw in c["points"])
+    assert doc["profile"]["cpu_device"]["pass_no_acc_rate"] > 0
+    (plan,) = doc["plans"]
+    assert plan["accumulate"] == "host" and "ASSUMED" not in plan["reason"]
+    # The CLI's plan may not offload at all (topk_ratio=1: no host adds to price); one that does names the rate.
+    from zenflow_triton.autotune.chooser import plan as make_plan
+    from zenflow_triton.autotune.model import Workload
+
+    w = Workload(shapes=((4096, 4096),), step_time_s=0.2, device="cpu")
+    reason = make_plan(load_profile(path), w, accumulate="host", topk_ratio=0.1).reason
+    assert "host adds at the measured" in reason and "ASSUMED" not in reason
+    code, out, err = run(["--load", str(path), "--params", "50M", "--step-time", "0.2"], capsys)
+    assert code == cli.EXIT_OK, err
+    assert 'host add of accumulate="host"' in out and "GB/s streamed" in out and "without acc" in out
+    old = save_profile(synthetic_profile(), tmp_path / "old.json")
+    code, out, err = run(["--load", str(old), "--params", "50M", "--step-time", "0.2", "--accumulate", "host"],
+                         capsys)
+    assert code == cli.EXIT_OK, err
+    assert 'host add (accumulate="host"): not measured' in out and "host adds ASSUMED" in out

@@ -9,8 +9,10 @@ crosses windows (update_interval=4) with checkpoints and evaluations mid-window.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import io
+import logging
 import re
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from zenflow_triton import ZenFlowAdamW
+from zenflow_triton import ZenFlowAdamW, ZenFlowConfig
 from zenflow_triton.integrations import close_all, flush_all, unwrap_optimizer, zenflow_optimizers
 
 HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
@@ -512,6 +514,192 @@ def test_hf_trainer_resume_mid_window_and_evaluation(tmp_path: Path) -> None:
     assert fresh == evals[6]
     assert stale != fresh
     unwrap_optimizer(plain.optimizer).close()
+
+
+# ------------------------------------------------------------------------------------------------- clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class InBackwardConfig(ZenFlowConfig):
+    """The optimizer's config with ``grads_in_backward`` on, for the callbacks' clipping check (they read
+    ``opt.config.grads_in_backward``). The optimizer itself still fills ``.grad``, so a run under it trains as with
+    the knob and the frameworks' clipping would still work: what these tests check is what the callbacks decide
+    and that the clipping the user asked for is the one applied."""
+
+    grads_in_backward: bool = True
+
+
+def in_backward(opt: ZenFlowAdamW) -> ZenFlowAdamW:
+    opt.config = InBackwardConfig(**{**opt.config.to_dict(), "grads_in_backward": True})
+    assert opt.config.grads_in_backward
+    return opt
+
+
+# Small enough that the framework's clipping scales every step's gradient (TinyNet's norms are ~0.3-1).
+CLIP = 0.05
+
+
+def _hf_clip_run(out: Path, *, knob: bool, own: float | None = None, framework_clip: float = CLIP,
+                 runs: int = 1) -> tuple[list[torch.Tensor], Any, ZenFlowAdamW, list[float]]:
+    """Six steps under the HF Trainer with the callback (``runs`` times with the same trainer and optimizer); the
+    optimizer ``knob``-faked in-backward with ``max_grad_norm=own``. Returns the weights, the Trainer's args after
+    training, the optimizer and the ``args.max_grad_norm`` the Trainer read at each step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from zenflow_triton.integrations.hf import ZenFlowTrainerCallback
+
+    seen: list[float] = []
+
+    class Spy(TrainerCallback):  # after ZenFlowTrainerCallback: sees what the Trainer's clipping reads
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(args.max_grad_norm)
+
+    model = HFNet()
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=6,
+                             lr_scheduler_type="constant", max_grad_norm=framework_clip, logging_strategy="no",
+                             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+                             dataloader_num_workers=0, seed=0, use_cpu=True)
+    opt = ZenFlowAdamW(model.parameters(), **OPT_KW, max_grad_norm=own)
+    if knob:
+        in_backward(opt)
+    trainer = Trainer(model=model, args=args, train_dataset=_hf_rows(TRAIN), optimizers=(opt, None),
+                      callbacks=[ZenFlowTrainerCallback(close_at_train_end=False), Spy()])
+    try:
+        for _ in range(runs):
+            trainer.train()
+    finally:
+        opt.close()
+    return params_of(model), trainer.args, opt, seen
+
+
+@needs_transformers
+def test_hf_trainer_clipping_moves_into_in_backward_optimizer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """grads_in_backward on: the Trainer's max_grad_norm moves into the optimizer (one INFO line), the Trainer reads
+    0 at every step and gets its value back at the end, and the weights are those of the Trainer clipping an
+    ordinary run, bit for bit (the same clip_grad_norm_ over the same parameters); they differ from an unclipped
+    run. A second train() with the same optimizer moves it again. Off: nothing changes."""
+    with caplog.at_level(logging.INFO, logger="zenflow_triton"):
+        moved, args, opt, seen = _hf_clip_run(tmp_path / "moved", knob=True, runs=2)
+    assert seen == [0] * 12 and args.max_grad_norm == CLIP  # off while training, the user's value after
+    assert opt.config.max_grad_norm == CLIP and opt.stats()["max_grad_norm"] == CLIP
+    assert opt.stats()["last_grad_norm"] > CLIP  # the optimizer clipped
+    lines = [r for r in caplog.records if "moved into the ZenFlow optimizer" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in lines)  # once per train()
+    assert "TrainingArguments(max_grad_norm=0)" in lines[0].getMessage()
+
+    moved, _, _, _ = _hf_clip_run(tmp_path / "moved-once", knob=True)
+    framework, args, opt, seen = _hf_clip_run(tmp_path / "framework", knob=False)
+    assert seen == [CLIP] * 6 and args.max_grad_norm == CLIP
+    assert opt.config.max_grad_norm is None and "max_grad_norm" not in opt.stats()
+    assert_same(moved, framework, "weights (clipped in the optimizer vs by the Trainer)")
+    unclipped, _, _, _ = _hf_clip_run(tmp_path / "unclipped", knob=False, framework_clip=0.0)
+    assert any(not torch.equal(a, b) for a, b in zip(unclipped, framework))
+
+
+@needs_transformers
+def test_hf_trainer_clipping_twice_with_in_backward_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Set TrainingArguments\(max_grad_norm=0\).*max_grad_norm=0.3"):
+        _hf_clip_run(tmp_path, knob=True, own=0.3)
+    # Without the framework's clipping the optimizer's own stands.
+    _, args, opt, seen = _hf_clip_run(tmp_path, knob=True, own=0.3, framework_clip=0.0)
+    assert seen == [0] * 6 and opt.config.max_grad_norm == 0.3
+
+
+def _lightning_clip_run(root: Path, *, knob: bool, own: float | None = None, clip: float | None = CLIP,
+                        algorithm: str | None = None,
+                        fits: int = 1) -> tuple[list[torch.Tensor], Any, list[ZenFlowAdamW], list[Any]]:
+    """Six steps under Lightning with the callback, ``gradient_clip_val=clip`` (``fits`` times with the same
+    trainer, each fit with a new optimizer from configure_optimizers); the optimizers ``knob``-faked in-backward
+    with ``max_grad_norm=own``. Returns the weights, the trainer, the optimizers and the gradient_clip_val the
+    trainer held at each step."""
+    import lightning.pytorch as pl
+
+    from zenflow_triton.integrations.lightning import ZenFlowCallback
+
+    made: list[ZenFlowAdamW] = []
+    seen: list[Any] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyNet()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(self.trainer.gradient_clip_val)
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            opt = ZenFlowAdamW(self.net.parameters(), **OPT_KW, max_grad_norm=own)
+            made.append(in_backward(opt) if knob else opt)
+            return opt
+
+    module = Module()
+    trainer = _lightning_trainer(root, [ZenFlowCallback()], max_steps=6, enable_checkpointing=False,
+                                 gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    try:
+        for i in range(fits):
+            if i:
+                trainer.fit_loop.epoch_loop.max_steps = 6 * (i + 1)  # six more steps on the same trainer
+            trainer.fit(module, train_dataloaders=_loader(TRAIN, 4))
+    finally:
+        close_all(made)
+    return params_of(module.net), trainer, made, seen
+
+
+@needs_lightning
+def test_lightning_clipping_moves_into_in_backward_optimizer(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """As the HF test: gradient_clip_val moves into the in-backward optimizer (one INFO line), the trainer holds None
+    while fitting and its value again after, and the weights equal Lightning clipping an ordinary run bit for bit;
+    a second fit (a new optimizer) moves it again; off: nothing changes."""
+    with caplog.at_level(logging.INFO, logger="zenflow_triton"):
+        moved, trainer, opts, seen = _lightning_clip_run(tmp_path / "moved", knob=True, fits=2)
+    assert seen == [None] * 12 and trainer.gradient_clip_val == CLIP
+    assert len(opts) == 2 and all(o.config.max_grad_norm == CLIP for o in opts)
+    lines = [r for r in caplog.records if "moved into the ZenFlow optimizer" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in lines)
+    assert "Trainer(gradient_clip_val=None)" in lines[0].getMessage()
+
+    moved, _, (opt,), _ = _lightning_clip_run(tmp_path / "moved-once", knob=True)
+    assert opt.stats()["max_grad_norm"] == CLIP
+    framework, trainer, (opt,), seen = _lightning_clip_run(tmp_path / "framework", knob=False)
+    assert seen == [CLIP] * 6 and trainer.gradient_clip_val == CLIP and opt.config.max_grad_norm is None
+    assert_same(moved, framework, "weights (clipped in the optimizer vs by Lightning)")
+    unclipped, _, _, _ = _lightning_clip_run(tmp_path / "unclipped", knob=False, clip=None)
+    assert any(not torch.equal(a, b) for a, b in zip(unclipped, framework))
+
+
+@needs_lightning
+def test_lightning_clipping_twice_or_by_value_with_in_backward_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Set Trainer\(gradient_clip_val=None\).*max_grad_norm=0.3"):
+        _lightning_clip_run(tmp_path / "twice", knob=True, own=0.3)
+    with pytest.raises(ValueError, match=r"clips gradients by value.*gradient_clip_val=None"):
+        _lightning_clip_run(tmp_path / "value", knob=True, algorithm="value")
+    # By value without in-backward capture: Lightning clips as usual, the optimizer does not.
+    _, trainer, (opt,), seen = _lightning_clip_run(tmp_path / "value-off", knob=False, algorithm="value")
+    assert seen == [CLIP] * 6 and opt.config.max_grad_norm is None
+
+
+def test_clipping_moved_in_survives_deepcopy() -> None:
+    """The moved value is in opt.config, from which copy.deepcopy and pickle rebuild the optimizer."""
+    from zenflow_triton.integrations import take_over_clipping
+
+    model = TinyNet()
+    opt = in_backward(ZenFlowAdamW(model.parameters(), **OPT_KW))
+    assert not take_over_clipping(opt, 0.0, framework="X", switch_off="x=0")
+    assert opt.config.max_grad_norm is None
+    assert take_over_clipping([opt], 0.25, framework="X", switch_off="x=0")
+    # Back to the real config class (the copy is rebuilt through the constructor, which takes its fields only).
+    real = {f.name for f in dataclasses.fields(ZenFlowConfig)}
+    opt.config = ZenFlowConfig.from_dict({k: v for k, v in opt.config.to_dict().items() if k in real})
+    train_step(model, opt, 0)
+    twin = copy.deepcopy(opt)
+    assert twin.stats()["max_grad_norm"] == 0.25 and twin.config.max_grad_norm == 0.25
+    plain = ZenFlowAdamW(TinyNet().parameters(), **OPT_KW)
+    assert not take_over_clipping(plain, 0.25, framework="X", switch_off="x=0")  # no in-backward capture
+    assert plain.config.max_grad_norm is None
+    for o in (opt, twin, plain):
+        o.close()
 
 
 # ------------------------------------------------------------------------------------------------- README

@@ -11,7 +11,8 @@ from zenflow_triton.autotune.probes import ProbeSettings, probe_machine
 
 MiB = 2**20
 TINY = ProbeSettings(copy_sizes=(64 * 1024, MiB), copy_repeats=2, adamw_numel=1 << 16, adamw_repeats=2,
-                     thread_counts=None, device_ops_numel=1 << 14, gpu_bandwidth_bytes=MiB, quick=True)
+                     thread_counts=None, device_ops_numel=1 << 14, gpu_bandwidth_bytes=MiB, quick=True,
+                     add_numels=(1 << 12, 1 << 16))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,42 @@ def test_host_adamw_rates_cover_both_landing_dtypes_and_each_thread_count():
 def test_cpu_device_op_rates_are_positive():
     rates = probes.measure_cpu_device_ops(numel=1 << 12, repeats=1)
     assert rates.pass_rate > 0 and rates.adam_rate > 0 and rates.merge_rate > 0
+    assert rates.pass_no_acc_rate is not None and rates.pass_no_acc_rate > 0  # accumulate="host"'s pass
     assert "CPU tensors" in rates.source
+
+
+def test_host_add_curves_cover_each_landing_thread_count_and_size():
+    """The add probe: a curve per landing dtype and thread count, a point per size, in bytes streamed (the fp32 sum
+    read and written plus the landed gradient), each with its spread; the compile time recorded."""
+    messages: list[str] = []
+    spread: dict[str, float] = {}
+    durations: dict[str, float] = {}
+    rates = probes.measure_host_add(numels=[1 << 16, 1 << 10], thread_counts=[1, 2], repeats=2,
+                                    progress=messages.append, spread=spread, durations=durations)
+    assert rates.kernel in ("numba", "torch-reference")
+    assert set(rates.curves) == {"float32", "bfloat16"}
+    for dt, per_elem in (("float32", 12), ("bfloat16", 10)):
+        assert set(rates.curves[dt]) == {1, 2}
+        for t, curve in rates.curves[dt].items():
+            assert curve.kind == f"host-add-{dt}"
+            assert [n for n, _ in curve.points] == [(1 << 10) * per_elem, (1 << 16) * per_elem]
+            assert curve.peak > 0
+            assert {f"host add {dt} {t} threads 4 KiB", f"host add {dt} {t} threads 256 KiB"} <= set(spread)
+    assert rates.curve("float32", 8) is rates.curves["float32"][2]  # nearest measured count below
+    assert rates.curve("float16", 1) is rates.curves["float32"][1]  # an unmeasured landing: the first measured
+    assert durations["compile_add"] >= 0
+    assert any("host add" in m and "GB/s" in m for m in messages)
+    with pytest.raises(ValueError, match="sizes"):
+        probes.measure_host_add(numels=[0], thread_counts=[1])
+
+
+def test_default_add_sizes_reach_beyond_the_cache():
+    llc = 32 * MiB
+    quick = probes._add_numels(ProbeSettings.quick_settings(), llc)
+    full = probes._add_numels(ProbeSettings.full_settings(), llc)
+    assert quick[0] == 1 << 16 and quick[-1] * 8 >= 2 * llc and len(quick) == 3
+    assert full[-1] * 8 >= 4 * llc and len(full) == 5
+    assert probes._add_numels(TINY, llc) == [1 << 12, 1 << 16]
 
 
 def test_quick_thread_counts_are_a_spread_within_the_cores():
@@ -52,7 +88,7 @@ def test_quick_thread_counts_are_a_spread_within_the_cores():
 
 def test_overrides_shrink_the_run():
     s = ProbeSettings.full_settings().with_overrides(adamw_numel=1000, max_copy_bytes=3 * MiB)
-    assert s.adamw_numel == 1000 and s.device_ops_numel == 1000
+    assert s.adamw_numel == 1000 and s.device_ops_numel == 1000 and max(s.add_numels) == 1000
     assert max(s.copy_sizes) <= 3 * MiB and s.gpu_bandwidth_bytes <= 3 * MiB
 
 
@@ -95,11 +131,17 @@ def test_spread_is_the_median_repeat_over_the_best():
 
 def test_every_figure_records_its_spread_and_the_repeats(tiny_profile):
     prof = tiny_profile
-    assert prof.repeats == {"copy": TINY.copy_repeats, "host_adamw": TINY.adamw_repeats, "device_ops": 2}
+    assert prof.repeats == {"copy": TINY.copy_repeats, "host_adamw": TINY.adamw_repeats, "device_ops": 2,
+                            "host_add": 5}
     names = set(prof.spread)
-    assert {"memcpy 64 KiB", "memcpy 1 MiB", "device pass", "device pass + Adam", "device merge"} <= names
+    assert {"memcpy 64 KiB", "memcpy 1 MiB", "device pass", "device pass without acc", "device pass + Adam",
+            "device merge"} <= names
     threads = {t for tab in prof.cpu_adamw.rates.values() for t in tab}
     assert {f"host AdamW {dt} {t} threads" for dt in ("float32", "bfloat16") for t in threads} <= names
+    assert {f"host add {dt} {t} threads 256 KiB" for dt in ("float32", "bfloat16") for t in threads} <= names
+    assert prof.host_add is not None and set(prof.host_add.curves["float32"]) == threads
+    assert prof.cpu_device.pass_no_acc_rate > 0
+    assert 0 <= prof.durations["compile_add"] <= prof.durations["host_add"]
     assert all(v >= 0 for v in prof.spread.values()) and prof.noise is not None
     assert 0 <= prof.durations["compile"] <= prof.durations["host_adamw"]
     assert prof.load_average is None or prof.load_average >= 0

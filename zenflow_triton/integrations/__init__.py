@@ -9,6 +9,6 @@ Both need the ``frameworks`` extra: ``pip install "zenflow_triton[frameworks]"``
 without them; they only make the weights that evaluation and exported checkpoints see fresh (``flush()``).
 """
 
-from .common import close_all, flush_all, unwrap_optimizer, zenflow_optimizers
+from .common import close_all, flush_all, take_over_clipping, unwrap_optimizer, zenflow_optimizers
 
-__all__ = ["close_all", "flush_all", "unwrap_optimizer", "zenflow_optimizers"]
+__all__ = ["close_all", "flush_all", "take_over_clipping", "unwrap_optimizer", "zenflow_optimizers"]

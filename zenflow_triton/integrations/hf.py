@@ -11,6 +11,12 @@ carries the pending host results. A flush changes the weights the next steps tra
 with the callback differs slightly from one without it, and a run resumed from one of its checkpoints continues it
 bit for bit.
 
+With ``grads_in_backward=True`` the offloaded gradients are gone before the Trainer clips (``max_grad_norm``,
+1.0 by default), so at ``on_train_begin`` the callback moves the Trainer's ``max_grad_norm`` into the optimizer and
+sets ``args.max_grad_norm = 0`` (an INFO log line says so), or raises a ValueError when the optimizer has a
+``max_grad_norm`` of its own (set ``TrainingArguments(max_grad_norm=0)`` then). ``on_train_end`` gives ``args`` its
+value back; the optimizer keeps clipping.
+
 ``on_save`` is not a flush point: the Trainer calls it after the checkpoint is written, and a flush then would make
 the live run part ways with the checkpoint it just wrote.
 
@@ -31,7 +37,7 @@ except ImportError as exc:  # the frameworks are an optional extra
         'zenflow_triton.integrations.hf needs transformers: pip install "zenflow_triton[frameworks]"'
     ) from exc
 
-from .common import close_all, flush_all
+from .common import close_all, flush_all, take_over_clipping
 
 __all__ = ["ZenFlowTrainerCallback"]
 
@@ -46,6 +52,16 @@ class ZenFlowTrainerCallback(TrainerCallback):
 
     def __init__(self, *, close_at_train_end: bool = True) -> None:
         self.close_at_train_end = close_at_train_end
+        self._clip_moved: set[int] = set()  # optimizers the Trainer's max_grad_norm was moved into
+        self._restore_clip: float | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The Trainer clips when `args.max_grad_norm > 0` (a number, never None), read at every step.
+        if take_over_clipping(kwargs.get("optimizer"), args.max_grad_norm, framework="the HF Trainer",
+                              switch_off="TrainingArguments(max_grad_norm=0)", moved=self._clip_moved):
+            self._restore_clip, args.max_grad_norm = args.max_grad_norm, 0.0
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -64,5 +80,7 @@ class ZenFlowTrainerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self._restore_clip is not None:  # the user's TrainingArguments as they were
+            args.max_grad_norm, self._restore_clip = self._restore_clip, None
         if self.close_at_train_end:
             close_all(kwargs.get("optimizer"))
