@@ -71,11 +71,14 @@ _NUM_WARPS = 4
 # that lets an SM (65536 registers) hold 3 programs of 4 warps instead of 2, i.e. 3072 tile elements in flight per SM
 # instead of 2048, at the same tile. Left to itself ptxas takes more than it needs: sm_90a, compiled on a CPU
 # (tests/triton_sm90_compile.py, `pytest -rA tests/test_triton_compile.py` prints each variant), uncapped -> capped,
-# registers/spill bytes, with state: triton 3.9 (ptxas 13.4) per-parameter 145-168 -> 150-168/0, grouped 156-217/0
+# registers/spill bytes, with state: triton 3.9 (ptxas 13.4) per-parameter 141-168 -> 149-168/0, grouped 160-230/0
 # -> 166-168/0-48; triton 3.6 (ptxas 12.8, the lent H200's) per-parameter 185-223 -> 166-168/0-12, grouped
-# 168-213/0-28 -> 168/0-72. Where it spills the cap trades a few bytes of local memory (L1) per thread for the third
-# program: not measured on a GPU yet, so bench_device_kernels times the grouped launch both ways (None: no cap).
-# The results do not change with it (the same instructions, allocated differently).
+# 184-211/0 -> 168/0-72 (the spills: values parked across the loop, tests/test_triton_compile.py). Where it spills
+# the cap trades a few bytes of local memory (L1) per thread for the third program, and it costs 2-4% more
+# instructions per tile (SASS of the loop, triton 3.6: per-parameter bf16 928 -> 954, grouped bf16 987 -> 1026); a
+# cap of 128 (4 programs) spills inside the loop. Not measured on a GPU yet, so bench_device_kernels times the grouped
+# launch both ways (None: no cap).
+# The results do not change with it (the same arithmetic, scheduled and allocated differently).
 STATE_MAXNREG: int | None = 168
 # Under the interpreter each tl op costs ~0.3 ms whatever the tile size (measured here: 2-core CPU, triton 3.9),
 # so fewer, taller tiles are what makes it fast.
