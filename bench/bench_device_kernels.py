@@ -220,8 +220,11 @@ def _record_group(benchmark, fn) -> None:
     _record(benchmark, _group_bytes(), numel)
     if getattr(benchmark, "stats", None) is None:
         return
+    from zenflow_triton.kernels import fused_step
+
     benchmark.extra_info.update({
         "params": len(GROUP_SHAPES),
+        "state_maxnreg": fused_step.STATE_MAXNREG,
         "torch_fused_s": _torch_group_seconds(),
         "ratio_to_torch_fused": _torch_group_seconds() / benchmark.stats.stats.median,
         "enqueue_us_per_param": _enqueue_seconds(fn) / len(GROUP_SHAPES) * 1e6,
@@ -235,6 +238,19 @@ def test_fused_steps_grouped(benchmark):
 
     calls = _group()
     fn = functools.partial(fused_steps_, calls)
+    benchmark.pedantic(_timed(fn), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    _record_group(benchmark, fn)
+
+
+@pytest.mark.benchmark(group="grouped")
+def test_fused_steps_grouped_uncapped(benchmark, monkeypatch):
+    """test_fused_steps_grouped without the register cap of the variants with compact state (fused_step.STATE_MAXNREG):
+    ptxas's own allocation, 2 programs per SM instead of 3 (see STATE_MAXNREG). The pair decides the cap."""
+    from zenflow_triton.kernels import fused_step
+
+    monkeypatch.setattr(fused_step, "STATE_MAXNREG", None)
+    calls = _group()
+    fn = functools.partial(fused_step.fused_steps_, calls)
     benchmark.pedantic(_timed(fn), rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     _record_group(benchmark, fn)
 

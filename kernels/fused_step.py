@@ -67,6 +67,19 @@ __all__ = ["fused_step_", "fused_steps_"]
 _BLOCK_R = 8
 _BLOCK_C = 128
 _NUM_WARPS = 4
+# Registers per thread for the variants with compact state (Triton's maxnreg, ptxas's .maxnreg): 168 is the most
+# that lets an SM (65536 registers) hold 3 programs of 4 warps instead of 2, i.e. 3072 tile elements in flight per SM
+# instead of 2048, at the same tile. Left to itself ptxas takes more than it needs: sm_90a, compiled on a CPU
+# (tests/triton_sm90_compile.py, `pytest -rA tests/test_triton_compile.py` prints each variant), uncapped -> capped,
+# registers/spill bytes, with state: triton 3.9 (ptxas 13.4) per-parameter 141-168 -> 149-168/0, grouped 160-230/0
+# -> 166-168/0-48; triton 3.6 (ptxas 12.8, the lent H200's) per-parameter 185-223 -> 166-168/0-12, grouped
+# 184-211/0 -> 168/0-72 (the spills: values parked across the loop, tests/test_triton_compile.py). Where it spills
+# the cap trades a few bytes of local memory (L1) per thread for the third program, and it costs 2-4% more
+# instructions per tile (SASS of the loop, triton 3.6: per-parameter bf16 928 -> 954, grouped bf16 987 -> 1026); a
+# cap of 128 (4 programs) spills inside the loop. Not measured on a GPU yet, so bench_device_kernels times the grouped
+# launch both ways (None: no cap).
+# The results do not change with it (the same arithmetic, scheduled and allocated differently).
+STATE_MAXNREG: int | None = 168
 # Under the interpreter each tl op costs ~0.3 ms whatever the tile size (measured here: 2-core CPU, triton 3.9),
 # so fewer, taller tiles are what makes it fast.
 _INTERP_BLOCK_R = 64
@@ -247,7 +260,7 @@ def fused_step_(
             HAS_ACC=acc is not None, BLOCK_R=block_r, BLOCK_C=block_c,
             # No FMA contraction: the GPU then does the same IEEE operations as the interpreter, and results do not
             # change with Triton's default (which flips in 3.10).
-            num_warps=_NUM_WARPS, enable_fp_fusion=False,
+            num_warps=_NUM_WARPS, enable_fp_fusion=False, maxnreg=STATE_MAXNREG if k > 0 else None,
         )
         if partials is not None or count == 2:
             finish_steps_(score, partials, slot, col_step if count == 2 else None)
@@ -313,8 +326,6 @@ def _fused_steps_kernel(
     else:
         param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
         grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    score_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    partial_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     if HAS_ACC:
         acc_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
     R = tl.load(row + 10).to(tl.int32)
@@ -325,8 +336,6 @@ def _fused_steps_kernel(
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
-        score_ptr = tl.multiple_of(score_ptr, 16)
-        partial_ptr = tl.multiple_of(partial_ptr, 16)
         if HAS_ACC:
             acc_ptr = tl.multiple_of(acc_ptr, 16)
         C = tl.multiple_of(C, 16)
@@ -343,9 +352,6 @@ def _fused_steps_kernel(
     if HAS_STATE:
         slot_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int32))
         col_step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.int32))
-        master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-        exp_avg_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
         K = tl.load(row + 12).to(tl.int32)
         if ALIGNED:
             slot_ptr = tl.multiple_of(slot_ptr, 16)
@@ -386,6 +392,12 @@ def _fused_steps_kernel(
             tl.store(acc_ptr + offs, a, mask=acc_mask)
         if HAS_STATE:
             if any_sel:
+                # The state addresses are read here, once per tile (a table row the SM has just read: an L1 hit),
+                # not held across the loop: 6 fewer registers live through it (ptxas sm_90a, grouped fp32 181 -> 160
+                # with triton 3.9, 214 -> 198 with 3.6; the score addresses below, read after the loop, likewise).
+                master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+                exp_avg_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+                exp_avg_sq_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
                 st_mask = row_mask[:, None] & sel[None, :]
                 st_offs = rows[:, None] * K + slot_i[None, :]
                 p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
@@ -401,6 +413,11 @@ def _fused_steps_kernel(
                 else:
                     tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
     sums = column_sums(sq, BLOCK_R, BLOCK_C)
+    score_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    partial_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        score_ptr = tl.multiple_of(score_ptr, 16)
+        partial_ptr = tl.multiple_of(partial_ptr, 16)
     if score_mode == 1:
         old = tl.load(score_ptr + cols, mask=col_mask, other=0.0)
         tl.store(score_ptr + cols, old + sums, mask=col_mask)
@@ -550,8 +567,8 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
         _to_device(table, device), programs, *_scalars(hp),
         PARAM_KIND=_PARAM_KIND[dtype], HAS_STATE=has_state, DECOUPLED=hp.decoupled, ALIGNED=aligned, WIDE=wide,
         HAS_ACC=has_acc, FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
-        # As fused_step_: no FMA contraction, the same warps.
-        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        # As fused_step_: no FMA contraction, the same warps and register cap.
+        num_warps=_NUM_WARPS, enable_fp_fusion=False, maxnreg=STATE_MAXNREG if has_state else None,
     )
     if finish:
         finish_steps_grouped_(_to_device(finish, device), len(finish) // FINISH_FIELDS, finish_program)

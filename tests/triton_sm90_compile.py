@@ -44,6 +44,10 @@ BACKEND = make_backend(TARGET)
 compiled: list[dict] = []
 errors: list[dict] = []
 seen: set[str] = set()
+# ZENFLOW_SM90_DUMP=DIR: write each variant's TTGIR and PTX there (NN_kernel.ttgir/.ptx/.variant), numbered as listed.
+DUMP_DIR = os.environ.get("ZENFLOW_SM90_DUMP")
+if DUMP_DIR:
+    Path(DUMP_DIR).mkdir(parents=True, exist_ok=True)
 
 
 class Recorder:
@@ -74,22 +78,55 @@ class Recorder:
                 errors.append({"kernel": self.name, "variant": key, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 return
             ptx = ck.asm.get("ptx", "")
+            if DUMP_DIR:  # the variant's TTGIR and PTX, to read what the compiler made of it
+                stem = Path(DUMP_DIR) / f"{len(compiled):02d}_{self.name}"
+                stem.with_suffix(".ttgir").write_text(str(ck.asm.get("ttgir", "")))
+                stem.with_suffix(".ptx").write_text(ptx)
+                stem.with_suffix(".variant").write_text(key)
             compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b"")),
+                             "maxnreg": kwargs.get("maxnreg"),
                              **ptxas_resources(ptx), **memory_ops(ptx)})
+            if compiled[-1]["spill_bytes"]:
+                compiled[-1]["spills_in_loop"] = spills_in_loop(ck.asm.get("cubin", b""))
 
         return launch
 
 
 def memory_ops(ptx: str) -> dict[str, int]:
     """Global loads and stores in the PTX by width: ``.v4`` (4 x 32 bits, 16 bytes: the compiler proved the alignment
-    and contiguity it needs), ``.v2``, and scalar ones (a 32-bit element or less per instruction, or a table read)."""
+    and contiguity it needs), ``.v2``, and scalar ones (a 32-bit element or less per instruction, or a table read);
+    ``ld_before_loop``: the scalar loads ahead of the streaming loop (what a program reads before its first tile)."""
     out = {}
     for op in ("ld", "st"):
         v4, v2 = len(re.findall(rf"\b{op}\.global(?:\.\w+)*\.v4\.", ptx)), len(
             re.findall(rf"\b{op}\.global(?:\.\w+)*\.v2\.", ptx))
         total = len(re.findall(rf"\b{op}\.global\.", ptx))
         out.update({f"{op}_v4": v4, f"{op}_v2": v2, f"{op}_scalar": total - v4 - v2})
+    out["ld_before_loop"] = scalar_loads_before_loop(ptx)
     return out
+
+
+def scalar_loads_before_loop(ptx: str) -> int | None:
+    """Scalar ``ld.global`` lines ahead of the streaming loop: the loop (a span from a label to the last branch back
+    to it, overlapping spans merged) holding the most global loads; None without a loop."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$\w+):", line))}
+    spans: list[list[int]] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            spans.append([labels[m.group(1)], i])
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    if not merged:
+        return None
+    is_ld = [bool(re.search(r"\bld\.global\.", line)) for line in lines]
+    lo, _ = max(merged, key=lambda span: sum(is_ld[span[0]:span[1] + 1]))
+    return sum(1 for line in lines[:lo] if re.search(r"\bld\.global\.", line) and not re.search(r"\.v[24]\.", line))
 
 
 def ptxas_resources(ptx: str) -> dict[str, int | None]:
@@ -118,6 +155,45 @@ def ptxas_resources(ptx: str) -> dict[str, int | None]:
             "spill_bytes": int(spill_st.group(1)) + int(spill_ld.group(1)) if spill_st and spill_ld else None}
 
 
+def spills_in_loop(cubin: bytes) -> int | None:
+    """Spill instructions (``STL``/``LDL``, local memory) inside the streaming loop of the machine code (``cuobjdump
+    -sass``, bundled with triton): the loop is the span of a backward branch (overlapping spans merged) holding the
+    most global loads. A spill outside it is a value parked in local memory across the loop (ptxas's answer to a
+    register cap), read once per program; inside it, per tile. None where cuobjdump is not found or fails."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            tool = Path(get_ptxas(TARGET.arch).path).with_name("cuobjdump")
+        except TypeError:  # older triton: no arch argument
+            tool = Path(get_ptxas().path).with_name("cuobjdump")
+        with tempfile.TemporaryDirectory() as d:
+            obj = Path(d) / "k.cubin"
+            obj.write_bytes(cubin)
+            sass = subprocess.run([str(tool), "-sass", str(obj)], capture_output=True, text=True, timeout=300,
+                                  check=True).stdout
+    except Exception:  # noqa: BLE001 - a report, as ptxas_resources
+        return None
+    ops = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans: list[list[int]] = []
+    for addr, text in ops:
+        m = re.search(r"\bBRA\S*\s+(?:`\()?(?:\.L_x_\d+\))?\s*(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            spans.append([int(m.group(1), 16), addr])
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    if not ops:
+        return None  # not the listing this parser knows
+    if not merged:
+        return 0
+    lo, hi = max(merged, key=lambda s: sum(s[0] <= a <= s[1] and "LDG" in t for a, t in ops))
+    return sum(lo <= a <= hi and re.search(r"\b(STL|LDL)\b", t) is not None for a, t in ops)
+
+
 fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
 fused_step._fused_steps_kernel = Recorder("fused_steps", fused_step._fused_steps_kernel)
 _triton_utils._finish_steps_grouped_kernel = Recorder("finish_steps_grouped",
@@ -126,6 +202,9 @@ colnorm._column_sumsq_kernel = Recorder("column_sumsq", colnorm._column_sumsq_ke
 merge._merge_kernel = Recorder("merge", merge._merge_kernel)
 _triton_utils._add_partials_kernel = Recorder("add_partials", _triton_utils._add_partials_kernel)
 _triton_utils._finish_steps_kernel = Recorder("finish_steps", _triton_utils._finish_steps_kernel)
+# ZENFLOW_SM90_UNCAPPED=1: compile the variants with compact state without their register cap, to compare.
+if os.environ.get("ZENFLOW_SM90_UNCAPPED") == "1":
+    fused_step.STATE_MAXNREG = None
 for module in (fused_step, colnorm, merge):
     module.check_launch_device = lambda *a, **k: None  # CPU stand-ins for CUDA tensors: nothing is launched
 
