@@ -20,9 +20,11 @@ selected columns, so the update is the default mode's bit for bit; the landed sl
 selection step migrates the compact gradient to the new selection (staying columns from the old compact buffer,
 joining ones from the host slot, which holds the whole gradient).
 
-The hook passes through (``.grad`` stays, the ordinary path) when the coming step cannot use a capture: the parameter
-has no state yet (its first step), the step is a warm-up step or the first selection (no selection exists yet), the
-"auto" knobs are not resolved, or the optimizer is closed.
+Every backward is captured, the first one included: its hook makes the offloaded state (as the first ``step()``
+would), so the model's full gradient never exists on the device, not even at the first step. A warm-up step's
+gradient then reaches the host through the window sum, and the first selection's compact gradient is gathered from
+the host slot after it (an empty selection migrating to the first one). The hook passes through (``.grad`` stays,
+the ordinary path) only once the optimizer is closed or failed.
 """
 
 from __future__ import annotations
@@ -154,14 +156,17 @@ class GradientCapture:
         if opt is None:
             return
         pipeline, knobs = opt._pipeline, opt._knobs
+        g = p.grad
+        if g is None or pipeline.closed or pipeline.failure is not None or p.is_meta:
+            return
+        if p not in pipeline.records and not opt.state.get(p):
+            # The first backward: the offloaded state is made now, for every hooked parameter at once (one slab),
+            # as the first step() would make it (nothing of it depends on the gradient), so that the first step's
+            # gradient is captured too: the full gradient never exists, not even once.
+            self._make_state(opt, pipeline)
         rec = pipeline.records.get(p)
         st = opt.state.get(p) if rec is not None else None
-        if not st or pipeline.closed or pipeline.failure is not None or not knobs.ready:
-            return
-        if opt._schedule.step + 1 - knobs.warmup <= 1:
-            return  # a warm-up step or the first selection: the ordinary path
-        g = p.grad
-        if g is None:
+        if not st:
             return
         try:
             check_grad(p, g, offloaded=True)
@@ -205,6 +210,13 @@ class GradientCapture:
                 cap.host.add_(g2)
             cap.count += 1
         p.grad = None
+
+    def _make_state(self, opt: Any, pipeline: Any) -> None:
+        fresh = [q for q in self._hooks if q not in pipeline.records and not opt.state.get(q) and not q.is_meta
+                 and q.device == (opt._device or q.device)]
+        if fresh:
+            opt._device = fresh[0].device
+            pipeline.add(fresh, opt.state)
 
     def _copy_out(self, pipeline: Any, g: torch.Tensor, dst: torch.Tensor, g2: torch.Tensor) -> torch.cuda.Event:
         """CUDA: ``dst`` (pinned host) = ``g2`` on the device-to-host stream after the compute stream's work so far;
