@@ -316,3 +316,74 @@ def test_a_bad_captured_gradient_is_named() -> None:
         opt._capture.capture(p)
     p.grad = None
     opt.close()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA (skipped here)
+
+DELAY_CYCLES = 20_000_000  # ~10 ms on an H100/H200 (tests/test_gpu_stress.py): a missing wait shows as wrong numbers
+
+
+def _cuda_pair(dtype, backend, **knobs):
+    models = [Net(dtype).cuda(), Net(dtype).cuda()]
+    opts = [ZenFlowAdamW(m.parameters(), **{**KNOBS, **knobs}, backend=backend, grads_in_backward=g,
+                         worker_timeout=120.0) for m, g in zip(models, (False, True))]
+    for o in opts:
+        o._pipeline.test_delays = {"d2h": DELAY_CYCLES, "h2d": DELAY_CYCLES, "merge": DELAY_CYCLES}
+    return models, opts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_equals_default_host_mode_bitwise(backend: str, dtype: torch.dtype) -> None:
+    """On CUDA, with the copy streams delayed: the capture's device-to-host copies, the adder's event after them, the
+    migration's reads of the slot and the compact fused step give the default mode's bits at every step."""
+    models, opts = _cuda_pair(dtype, backend)
+    for i in range(STEPS):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            loss_fn(m, i).backward()
+            o.step()
+        torch.cuda.synchronize()
+        _assert_same(*models, f"step {i + 1}")
+    assert all(p.grad is None for p in offloaded(models[1]))
+    for o in opts:
+        o.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [0.0, 1.0])
+def test_cuda_micro_batches_sum_as_grad_does(r: float) -> None:
+    """On CUDA a later micro-batch's gradient goes through the pinned scratch and a host add (delayed copies)."""
+    models, opts = _cuda_pair(torch.bfloat16, "triton", topk_ratio=r)
+    for i in range(10):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            for j in range(3):
+                loss_fn(m, 3 * i + j).backward()
+            o.step()
+        torch.cuda.synchronize()
+        _assert_same(*models, f"step {i + 1}")
+    for o in opts:
+        o.close()
+
+
+@pytest.mark.gpu
+def test_cuda_clipping_equals_clip_grad_norm() -> None:
+    """The norm of the captured parts is taken on the host (the slots): equal to clip_grad_norm_ on the device to
+    fp32 rounding of the norm."""
+    models, opts = _cuda_pair(torch.float32, "triton")
+    inside = ZenFlowAdamW(models[1].parameters(), **KNOBS, backend="triton", grads_in_backward=True, max_grad_norm=0.05)
+    opts[1].close()
+    for i in range(STEPS):
+        opts[0].zero_grad()
+        loss_fn(models[0], i).backward()
+        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
+        opts[0].step()
+        inside.zero_grad()
+        loss_fn(models[1], i).backward()
+        inside.step()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"step {i + 1}: {m}")
+    opts[0].close()
+    inside.close()

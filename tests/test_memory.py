@@ -96,3 +96,14 @@ def test_stats_device_bytes_per_param_with_grads_in_backward() -> None:
         want = 12 * k / 100 + 12 / 64 + 4 * k / 100 + (4 * 100 + 16 * k) / (64 * 100)
         assert st["grads_in_backward"] and st["accumulate"] == "host"
         assert st["device_bytes_per_param"] == pytest.approx(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,held,peak", [(torch.float32, 6.0, 7.5), (torch.bfloat16, 2 + 14 * 0.1, 4.9)])
+def test_grads_in_backward_on_cuda(dtype: torch.dtype, held: float, peak: float) -> None:
+    """The same bounds from torch.cuda.memory_allocated / max_memory_allocated (the CPU harness's bf16 peak is 4.49:
+    weights 2 + compact state 1.2 + one layer's gradient in flight 0.5 + compact gradient and activations)."""
+    fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], dtype=dtype,
+                                device="cuda", steps=STEPS)
+    assert fig.held <= held
+    assert fig.peak <= peak

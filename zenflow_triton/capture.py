@@ -225,6 +225,8 @@ class GradientCapture:
         stream = pipeline.copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            if pipeline.test_delays.get("d2h"):  # tests only: a missing wait on this copy shows as wrong numbers
+                torch.cuda._sleep(pipeline.test_delays["d2h"])
             dst.copy_(g2, non_blocking=True)
             # The gradient is set to None next: its memory must not be handed out before this stream read it.
             g.record_stream(stream)
@@ -253,8 +255,8 @@ class GradientCapture:
         score.add_(self.captured[p].step_score)
 
     def step_args(self, p: torch.Tensor, st: dict[str, Any], rec: Any, *, w2: torch.Tensor, hp: AdamHyperparams,
-                  score: torch.Tensor | None, count_step: bool) -> FusedStepArgs | None:
-        """The fused step of a captured parameter on its compact gradient (None when nothing is selected); its
+                  score: torch.Tensor | None, count_step: bool) -> list[FusedStepArgs]:
+        """The fused step of a captured parameter on its compact gradient (none when nothing is selected); its
         result reaches the parameter and ``col_step`` at :meth:`finish_step`. ``score``: where this step's scores
         go (None: nowhere, a selection step already added them)."""
         cap = self.captured[p]
@@ -263,13 +265,13 @@ class GradientCapture:
         sel = self._selection(p, st, rec)
         compact = cap.compact if cap.selection is sel else self._migrate(cap, sel, rec)
         if sel.idx.numel() == 0:
-            return None
+            return []
         out = torch.empty_like(compact)
         col_step = st["col_step"].index_select(0, sel.idx)
         self._scatters.append((w2, out, st["col_step"], col_step, sel.idx))
-        return FusedStepArgs(param=out, grad=compact, score=sel.no_score, slot=sel.ident, col_step=col_step,
-                             master=st["master"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=None, hp=hp,
-                             accumulate=False, update_score=False, count_step=count_step)
+        return [FusedStepArgs(param=out, grad=compact, score=sel.no_score, slot=sel.ident, col_step=col_step,
+                              master=st["master"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=None,
+                              hp=hp, accumulate=False, update_score=False, count_step=count_step)]
 
     def finish_step(self) -> None:
         """After the fused steps: the compact results into the parameters' selected columns and step counts; every

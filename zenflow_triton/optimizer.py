@@ -457,20 +457,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # in the same pass), the rest summed into acc (with accumulate="host", step 4 is the host's: the
             # gradient lands there after the kernels).
             count_step = tau >= 1 and rec.masks.num_unselected < rec.cols
-            if g2 is None:
-                call = capture.step_args(p, st, rec, w2=w2, hp=hp, score=score_of(p) if update_score else None,
-                                         count_step=count_step)
-                calls += [call] if call is not None else []
-                landed.append((p, None, st["acc_count"] > 0))
-                st["acc_count"] += 1
-                continue
-            acc, accumulate = pipeline.step_sum(st)
-            calls.append(FusedStepArgs(
-                param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
-                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
-                accumulate=accumulate, update_score=update_score,
-                count_step=count_step,
-            ))
+            if g2 is None:  # captured in backward: the fused step on the compact gradient; the slot has landed
+                calls += capture.step_args(p, st, rec, w2=w2, hp=hp, score=score_of(p) if update_score else None,
+                                           count_step=count_step)
+            else:
+                acc, accumulate = pipeline.step_sum(st)
+                calls.append(FusedStepArgs(
+                    param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"],
+                    master=st["master"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
+                    accumulate=accumulate, update_score=update_score, count_step=count_step,
+                ))
             if pipeline.host_sums:
                 landed.append((p, g2, st["acc_count"] > 0))
             st["acc_count"] += 1
