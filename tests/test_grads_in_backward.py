@@ -290,6 +290,30 @@ def test_refusals(monkeypatch) -> None:
         ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
 
 
+def test_several_processes_are_refused(monkeypatch) -> None:
+    """DDP's all-reduce reads .grad after the hooks: a job of several processes is refused (at construction, and at
+    the first backward when the process group came later)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="several processes"):
+        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+
+
+def test_zenflow_adam_equals_its_default_mode() -> None:
+    from zenflow_triton import ZenFlowAdam
+
+    models = [Net(), Net()]
+    opts = [ZenFlowAdam(m.parameters(), **KNOBS, grads_in_backward=g) for m, g in zip(models, (False, True))]
+    for i in range(10):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            loss_fn(m, i).backward()
+            o.step()
+        _assert_same(*models, f"step {i + 1}")
+    for o in opts:
+        o.close()
+
+
 def test_auto_places_the_sums_on_the_host_and_stats() -> None:
     model = Net()
     with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True) as opt:

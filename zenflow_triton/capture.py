@@ -24,7 +24,9 @@ Every backward is captured, the first one included: its hook makes the offloaded
 would), so the model's full gradient never exists on the device, not even at the first step. A warm-up step's
 gradient then reaches the host through the window sum, and the first selection's compact gradient is gathered from
 the host slot after it (an empty selection migrating to the first one). The hook passes through (``.grad`` stays,
-the ordinary path) only once the optimizer is closed or failed.
+the ordinary path) only once the optimizer is closed or failed; a parameter that did not require a gradient when
+its group was added has no hook, and keeps ``.grad``. One process only: in a job of several (DDP) the hook would
+consume the local gradient before its all-reduce, so that is refused, as are DTensor (FSDP2) parameters.
 """
 
 from __future__ import annotations
@@ -84,6 +86,16 @@ def check_capturable(p: torch.Tensor, where: str, *, grad_dtype: str, seen: set[
     seen.add(id(p))
 
 
+def check_single_process() -> None:
+    """``RuntimeError`` in a multi-process job: the hook would take each rank's local gradient before DDP's (or any)
+    all-reduce of ``.grad``, which then finds None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("grads_in_backward=True in a job of several processes: the hooks would consume each "
+                           "rank's local gradient before its all-reduce (DDP's, or yours on .grad); it is supported in "
+                           "one process only: set grads_in_backward=False")
+
+
 class GradientCapture:
     """The hooks and captured gradients of one optimizer (``optimizer.config.grads_in_backward``; without it a
     shell that captures nothing). It reads the optimizer's state, pipeline, schedule and knobs through a weak
@@ -108,6 +120,7 @@ class GradientCapture:
             return
         opt = self._opt()
         config = opt.config
+        check_single_process()
         plain = [p[1] if isinstance(p, tuple) else p for p in params]
         for i, p in enumerate(plain):
             if not offloads(p, config.min_offload_numel):
@@ -212,6 +225,7 @@ class GradientCapture:
         p.grad = None
 
     def _make_state(self, opt: Any, pipeline: Any) -> None:
+        check_single_process()  # the process group may have been made after the optimizer
         fresh = [q for q in self._hooks if q not in pipeline.records and not opt.state.get(q) and not q.is_meta
                  and q.device == (opt._device or q.device)]
         if fresh:
