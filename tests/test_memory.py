@@ -63,9 +63,9 @@ def test_stats_device_bytes_per_param(mode: str, acc_bytes: float) -> None:
 
 def test_grads_in_backward_holds_at_most_6_and_peaks_at_most_7_5_bytes_per_param() -> None:
     """fp32 "host" + grads_in_backward (python bench/report_memory.py: 5.31 held / 6.71 peak over 13 steps): weights
-    4 + compact state 1.2 + vectors and the batch held, no gradient between steps; the peak adds one layer's gradient
-    in flight (1 B/param of four layers) and the compact selected gradient (0.4), where "host" alone holds 9.30 / 10.51
-    (weights and the whole gradient)."""
+    4 + compact state 1.2 + vectors and the batch held, no gradient between steps; the peak is a selection step's,
+    whose migration builds the new compact state (1.2) beside the old, as in "host" alone (9.30 / 10.51, which holds
+    the whole gradient too)."""
     fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], steps=STEPS)
     assert 5.2 <= fig.held <= 6.0
     assert fig.peak <= 7.5
@@ -102,7 +102,7 @@ def test_stats_device_bytes_per_param_with_grads_in_backward() -> None:
 @pytest.mark.parametrize("dtype,held,peak", [(torch.float32, 6.0, 7.5), (torch.bfloat16, 2 + 14 * 0.1, 4.9)])
 def test_grads_in_backward_on_cuda(dtype: torch.dtype, held: float, peak: float) -> None:
     """The same bounds from torch.cuda.memory_allocated / max_memory_allocated (the CPU harness's bf16 peak is 4.49:
-    weights 2 + compact state 1.2 + one layer's gradient in flight 0.5 + compact gradient and activations)."""
+    the held 3.28 plus a selection step's migration, the new compact state 1.2 beside the old)."""
     fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], dtype=dtype,
                                 device="cuda", steps=STEPS)
     assert fig.held <= held
