@@ -106,7 +106,6 @@ class GradientCapture:
         self.enabled = bool(optimizer.config.grads_in_backward)
         self.captured: dict[torch.Tensor, Captured] = {}
         self._hooks: dict[torch.Tensor, Any] = {}
-        self._seen: set[int] = set()
         self._selections: dict[torch.Tensor, Selection] = {}
         self._scores: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: torch.Tensor | None = None  # CUDA: pinned host buffer for a later micro-batch's copy
@@ -114,19 +113,25 @@ class GradientCapture:
 
     # ------------------------------------------------------------------ hooks
 
-    def register(self, params: Iterable[Any]) -> None:
-        """Check and hook the parameters of a group being added (named ``(name, tensor)`` pairs allowed)."""
+    def check(self, params: Iterable[Any]) -> None:
+        """Before a group is added (named ``(name, tensor)`` pairs allowed): ``ValueError`` for a parameter the
+        capture cannot take (:func:`check_capturable`)."""
         if not self.enabled:
             return
-        opt = self._opt()
-        config = opt.config
+        config = self._opt().config
         check_single_process()
+        seen = {id(p) for p in self._hooks}
+        for i, p in enumerate(p[1] if isinstance(p, tuple) else p for p in params):
+            if offloads(p, config.min_offload_numel):  # resident ones keep an ordinary .grad
+                check_capturable(p, f"parameter {i} of the group (shape {tuple(p.shape)})",
+                                 grad_dtype=config.grad_dtype, seen=seen)
+
+    def register(self, params: Iterable[Any]) -> None:
+        """Hook the offloaded parameters of a group just added (:meth:`check` passed)."""
+        if not self.enabled:
+            return
+        config = self._opt().config
         plain = [p[1] if isinstance(p, tuple) else p for p in params]
-        for i, p in enumerate(plain):
-            if not offloads(p, config.min_offload_numel):
-                continue  # resident: an ordinary .grad
-            check_capturable(p, f"parameter {i} of the group (shape {tuple(p.shape)})", grad_dtype=config.grad_dtype,
-                             seen=self._seen)
         ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:

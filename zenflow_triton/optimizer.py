@@ -144,8 +144,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params, self._device = check_new_group(param_group, self.param_groups, self.defaults, self._device,
                                                decoupled=self._decoupled)
-        self._capture.register(params)
+        self._capture.check(params)  # grads_in_backward: refusals before, hooks once the group is in
         super().add_param_group(dict(param_group, params=params))
+        self._capture.register(params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
