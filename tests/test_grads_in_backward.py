@@ -112,6 +112,41 @@ def test_micro_batches_sum_as_grad_does(r: float, dtype: torch.dtype) -> None:
         o.close()
 
 
+def test_micro_batches_match_simulation_with_per_micro_batch_scores() -> None:
+    """Two backward() calls per step at r = 0.25 over three selections: the dense oracle, given the summed gradient
+    for the update and the micro-batches' summed column norms for the scores (what the capture documents)."""
+    model, twin = Net(), Net()
+    hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = ZenFlowAdamW(model.parameters(), **hp, topk_ratio=0.25, update_interval=3, select_interval=6,
+                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True)
+    sims = {p: Simulation(p.detach(), r=0.25, interval=3, select=6, warmup=2, overlap=True) for p in offloaded(model)}
+    twin_params = dict(zip(model.parameters(), twin.parameters()))
+    for i in range(STEPS):
+        total = {p: 0.0 for p in sims}
+        norms = {p: 0.0 for p in sims}
+        opt.zero_grad()
+        for j in range(2):
+            with torch.no_grad():
+                for p, q in twin_params.items():
+                    q.copy_(p)
+                    q.grad = None
+            loss_fn(twin, 2 * i + j).backward()
+            for p in sims:
+                g = twin_params[p].grad.view(sims[p].rows, sims[p].cols)
+                total[p] = total[p] + g
+                norms[p] = norms[p] + g.double().pow(2).sum(0)
+            loss_fn(model, 2 * i + j).backward()
+        opt.step()
+        for p, sim in sims.items():
+            # The simulation adds the summed gradient's column norms itself: give it the micro-batches' instead.
+            sim.score += norms[p] - total[p].double().pow(2).sum(0)
+            sim.step(total[p], hp["lr"], *hp["betas"], hp["eps"], hp["weight_decay"])
+            torch.testing.assert_close(p.detach().view(sim.rows, sim.cols), sim.w, atol=2e-5, rtol=1e-5,
+                                       msg=lambda m, i=i: f"step {i + 1}: {m}")
+    assert opt.stats()["selections"] == 3
+    opt.close()
+
+
 def test_micro_batch_scores_are_summed_per_micro_batch() -> None:
     """With several backward() calls the scores add each micro-batch's column sums of squares (the selection may then
     differ from the default mode's, which scores the summed gradient)."""
