@@ -220,8 +220,9 @@ class GradientCapture:
                 if self._scratch is None or self._scratch.numel() < numel or self._scratch.dtype != g.dtype:
                     self._scratch = torch.empty(numel, dtype=g.dtype, pin_memory=True)
                 scratch = self._scratch[:numel].view(rows, cols)
-                # The training thread waits for this copy (and the earlier ones into the slot, same stream) to add
-                # on the host: a later micro-batch costs its gradient's device-to-host time in backward.
+                # Backward (this hook, on autograd's device thread) waits for this copy and the earlier ones into
+                # the slot (same stream) to add on the host: a later micro-batch costs its gradient's device-to-host
+                # time inside backward. The scratch is reused only after that wait.
                 self._copy_out(pipeline, g, scratch, g2).synchronize()
                 cap.host.add_(scratch)
             else:
