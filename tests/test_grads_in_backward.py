@@ -270,6 +270,24 @@ def test_checkpoint_mid_window_resumes_bitwise(into: bool) -> None:
     opt2.close()
 
 
+def test_flush_and_state_dict_between_backward_and_step() -> None:
+    """flush() and state_dict() between a backward and its step leave the capture for the step, as .grad is left in
+    the default mode: the same parameters bit for bit."""
+    models, opts = _pair()
+    for i in range(STEPS):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            loss_fn(m, i).backward()
+            if i % 5 == 4:
+                o.flush()
+            if i % 3 == 1:
+                o.state_dict()
+            o.step()
+        _assert_same(*models, f"step {i + 1}")
+    for o in opts:
+        o.close()
+
+
 def test_close_removes_the_hooks() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, grads_in_backward=True)
