@@ -13,7 +13,8 @@ trained at r = 0.1, U = 4 for ``--steps`` steps; figures are bytes divided by th
   time order from a fresh model (its weights, allocated before, added), held at each step's end and the peak.
 
 Rows: ``torch AdamW`` (moments in the model dtype, on the device), ZenFlowAdamW ``accumulate="device"`` and
-``"host"``, for fp32 and bf16 models. This file imports nothing else from bench/, so tests load it by path.
+``"host"``, and ``"host"`` with ``grads_in_backward`` (the offloaded gradients consumed in backward), for fp32 and
+bf16 models. This file imports nothing else from bench/, so tests load it by path.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def optimizers(topk_ratio: float = 0.1, update_interval: int = 4) -> dict[str, C
         "torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
         "ZenFlow device": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="device", **zen),
         "ZenFlow host": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host", **zen),
+        "ZenFlow host + grads_in_backward": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host",
+                                                                   grads_in_backward=True, **zen),
     }
 
 

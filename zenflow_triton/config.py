@@ -56,6 +56,11 @@ class ZenFlowConfig:
     host_lr_scale: float | Auto = 1.0
     """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
     step, the default; "auto": the autotuner's choice from its quality table (1.0 where it measured no gain)."""
+    # Gradients consumed during backward (issue 18).
+    grads_in_backward: bool = False
+    """Consume each offloaded parameter's gradient in a post-accumulate-grad hook during backward (scores, the
+    selected columns into a compact device buffer, the whole gradient to the host landing slot) and set ``p.grad``
+    to None, so the model's full gradient never exists on the device; needs accumulate="host" ("auto" picks it)."""
 
     def __post_init__(self) -> None:
         r = self.topk_ratio
@@ -97,6 +102,14 @@ class ZenFlowConfig:
         h = self.host_lr_scale
         if h != "auto" and (isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and h > 0)):
             raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0, 1.0 is Adam's step, or 'auto')")
+        # Gradients consumed during backward (issue 18).
+        if not isinstance(self.grads_in_backward, bool):
+            raise ValueError(f"Invalid grads_in_backward: {self.grads_in_backward!r} (a bool)")
+        if self.grads_in_backward and self.accumulate == "device":
+            raise ValueError("Invalid accumulate='device' with grads_in_backward=True: a captured gradient must be "
+                             "held until step() (zero_grad() may discard it, micro-batches must sum as .grad does), "
+                             "which on the device costs what .grad costs; use accumulate='host' (or 'auto', which "
+                             "picks it)")
 
     @property
     def is_auto(self) -> bool:

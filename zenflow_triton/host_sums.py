@@ -25,8 +25,9 @@ from .worker import HostWorker
 __all__ = ["AddItem", "HostSums", "compile_accumulate_kernel", "run_add_job"]
 
 State = MutableMapping[torch.Tensor, dict[str, Any]]
-# (parameter, its gradient this step, whether the window sum already holds a step: add, else overwrite)
-Landed = Sequence[tuple[torch.Tensor, torch.Tensor, bool]]
+# (parameter, its gradient this step, whether the window sum already holds a step: add, else overwrite); the
+# gradient None: captured in backward (grads_in_backward), already in the slot that claim_slot gave
+Landed = Sequence[tuple[torch.Tensor, torch.Tensor | None, bool]]
 
 
 @dataclass
@@ -88,12 +89,8 @@ class HostSums:
         slot (device-to-host on ``copy_stream``; a plain copy on CPU tensors) and submit the add into its window sum
         to the adder. ``wait`` (the pipeline's, counted as stall) runs only when the slot's previous add, two steps
         ago, still reads it."""
-        slot = self.slot
+        slot = self.claim_slot(wait)
         self.slot ^= 1
-        previous = self.adds[slot]
-        if previous is not None:
-            wait(previous, self.adder)
-            self.adds[slot] = None
         device = landed[0][0].device
         ready = None
         if device.type == "cuda":
@@ -102,13 +99,22 @@ class HostSums:
             # The training thread copies: the gradient may change (zero_grad, the next backward) before the adder
             # runs, and a copy here costs one read and one write, like the device-to-host copy it stands for.
             for p, grad, _ in landed:
-                records[p].slots[slot].view(grad.shape).copy_(grad)
+                if grad is not None:
+                    records[p].slots[slot].view(grad.shape).copy_(grad)
         items = []
         for p, _, accumulate in landed:
             src = records[p].slots[slot]
             items.append(AddItem(dst=state[p]["acc"], src=src, accumulate=accumulate))
             stats.d2h_bytes += src.numel() * src.element_size()
         self.adds[slot] = self.last = self.adder.submit(run_add_job, items, ready, cpu_threads)
+
+    def claim_slot(self, wait: Callable[[Future, HostWorker], None]) -> int:
+        """The slot the next :meth:`land` fills, after waiting (``wait``) for its previous add, two steps ago."""
+        previous = self.adds[self.slot]
+        if previous is not None:
+            wait(previous, self.adder)
+            self.adds[self.slot] = None
+        return self.slot
 
     def _land_on_copy_stream(self, landed: Landed, records: Mapping[torch.Tensor, OffloadedParam], slot: int,
                              copy: torch.cuda.Stream, test_delays: Mapping[str, int]) -> torch.cuda.Event:
@@ -121,6 +127,8 @@ class HostSums:
             if test_delays.get("d2h"):
                 torch.cuda._sleep(test_delays["d2h"])
             for p, grad, _ in landed:
+                if grad is None:  # captured: its copies were queued on this stream in backward, before this event
+                    continue
                 dst = records[p].slots[slot]
                 src = grad
                 if dst.dtype != grad.dtype:  # grad_dtype="bfloat16": this step's gradient rounded to bf16

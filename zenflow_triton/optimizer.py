@@ -25,6 +25,7 @@ import torch
 
 from . import checkpoint, retune
 from .auto import AUTO_WARMUP_STEPS, Knobs
+from .capture import GradientCapture
 from .columns import reselect_many_
 from .config import ZenFlowConfig
 from .gradients import GradientClipper
@@ -79,6 +80,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before ``step()`` would; None: no clipping.
         host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step;
             "auto": the autotuner's choice.
+        grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
+            accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -111,6 +114,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         accumulate: str = "auto",
         max_grad_norm: float | None = None,
         host_lr_scale: float | str = 1.0,
+        grads_in_backward: bool = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         hyperparams(defaults, decoupled=self._decoupled)
@@ -120,12 +124,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
             accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
+            grads_in_backward=grads_in_backward,
         )
         self._device: torch.device | None = None
         self._stats = Stats()
         self._schedule = Schedule()
         self._pipeline = Pipeline(self.config, self._stats)
         self._gradients = GradientClipper(self.config.max_grad_norm)
+        self._capture = GradientCapture(self)  # grads_in_backward: hooks on the offloaded parameters (capture.py)
         super().__init__(params, defaults)
         self._knobs = Knobs(self.config, device=self._device)  # after the params: cpu_threads' default is per device
         if self._device is not None and self._device.type != "meta":
@@ -138,7 +144,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params, self._device = check_new_group(param_group, self.param_groups, self.defaults, self._device,
                                                decoupled=self._decoupled)
+        self._capture.check(params)  # grads_in_backward: refusals before, hooks once the group is in
         super().add_param_group(dict(param_group, params=params))
+        self._capture.register(params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -159,7 +167,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             resident, offloaded = self._prepare_step()
             if not offloaded and not any(ps for _, ps in resident):
                 return loss  # no gradient at all: nothing happens, as in torch (and the schedule does not advance)
-            self._gradients.clip_(self.param_groups)  # max_grad_norm: before anything reads a gradient
+            self._gradients.clip_(self.param_groups, self._capture)  # max_grad_norm: before anything reads a gradient
             self._schedule.step += 1
             self._knobs.sample_step_time(entered, offloaded[0][1].device if offloaded else None)
             step_resident_(self.state, resident)
@@ -176,6 +184,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         still reading a gradient (accumulate="host" on CUDA copies each step's gradient asynchronously)."""
         if not set_to_none:
             self._pipeline.release_gradients()
+        self._capture.discard()  # gradients captured in backward (grads_in_backward) go as .grad would
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -209,6 +218,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         torch. Everything is checked before anything changes: on an error the optimizer and the parameters are as
         they were."""
         self._pipeline.check_usable()
+        self._capture.check_none_pending("load_state_dict()")
         state_dict = state_dict.copy()  # shallow, as torch: a pre hook may edit it
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -297,11 +307,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     pipeline.failure = exc
                     logger.warning("zenflow_triton: close() drops the host work in flight: %s", exc)
             pipeline.close(self.state)
+            self._capture.close()
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: the constructor's arguments and a ``state_dict()``; the copy is
         a working optimizer of its own (its own worker and host memory) over the copied parameters. Hooks are not
-        kept, as in torch."""
+        kept, as in torch, except grads_in_backward's own (the copy hooks its parameters); gradients captured since the
+        last step are not copied."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "config": self.config.to_dict(),
                 "saved": self.state_dict()}
 
@@ -321,8 +333,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
         sizes in bytes."""
         s = self._stats
-        return {**self._pipeline.report(self.state), **s.per_step(), **self._knobs.state_dict(),
-                **self._knobs.report(s), **self._gradients.report()}
+        return {**self._pipeline.report(self.state, self._capture.device_bytes(self._pipeline.records)),
+                **s.per_step(), **self._knobs.state_dict(), **self._knobs.report(s), **self._gradients.report(),
+                "grads_in_backward": self.config.grads_in_backward}
 
     # ------------------------------------------------------------------ the step
 
@@ -350,7 +363,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         stepping for the first time (all or nothing: out of memory keeps none, and a later step retries), and
         return the parameters that step now: resident ones per group, offloaded ones with their group's record."""
         resident, offloaded, fresh, fresh_resident, device = gather_step(
-            self.param_groups, self.state, decoupled=self._decoupled, offloads=self._offloads)
+            self.param_groups, self.state, decoupled=self._decoupled, offloads=self._offloads,
+            captured=self._capture.has)
         if device is not None:
             self._device = device  # the parameters' device now (built over meta parameters, then materialized)
         new_state = {p: init_resident(p) for p in fresh_resident}
@@ -387,11 +401,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if selecting:
             # Step 2: a selection step first makes all host work of earlier windows visible.
             pipeline.wait(self.state, merge=True)
-        unique: dict[torch.Tensor, tuple[AdamHyperparams, torch.Tensor, torch.Tensor]] = {}
+        unique: dict[torch.Tensor, tuple[AdamHyperparams, torch.Tensor, torch.Tensor | None]] = {}
+        capture = self._capture  # a gradient captured in backward has no .grad: g2 None (capture.py)
         for hp, p in offloaded:
             if p not in unique:
                 rec = records[p]
-                unique[p] = (hp, local(p).view(rec.rows, rec.cols), local(p.grad).view(rec.rows, rec.cols))
+                unique[p] = (hp, local(p).view(rec.rows, rec.cols),
+                             None if capture.has(p) else local(p.grad).view(rec.rows, rec.cols))
         # Where this step's column scores go: into the score itself, or, for a sharded parameter, into a zeroed
         # buffer that is summed over the shard group before it is added (the scores stay the same on every rank).
         shared = [(records[p].group, records[p].score_delta().zero_(), self.state[p]["score"])
@@ -405,7 +421,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # Steps 1-2 for every parameter with a gradient: this step's scores count toward the selection.
             if scores:
                 for p, (_, _, g2) in unique.items():
-                    if records[p].rows:
+                    if g2 is None:
+                        capture.add_score_(p, score_of(p))
+                    elif records[p].rows:
                         ops.column_sumsq_(score_of(p), g2)
                 add_summed_scores_(shared)
             if unique:
@@ -430,7 +448,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             stepped.add(p)
             if not rec.rows:  # an empty shard: nothing to update here, but the schedule and the collectives go on
                 continue
-            if window_end and pipeline.takes_gradient(p, st, waited=sync):
+            if window_end and g2 is not None and pipeline.takes_gradient(p, st, waited=sync):
                 # A window of this step alone, applied before step() returns: the host reads this gradient.
                 if update_score:
                     ops.column_sumsq_(score_of(p), g2)
@@ -439,18 +457,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
             # in the same pass), the rest summed into acc (with accumulate="host", step 4 is the host's: the
             # gradient lands there after the kernels).
-            acc, accumulate = pipeline.step_sum(st)
-            calls.append(FusedStepArgs(
-                param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"], master=st["master"],
-                exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
-                accumulate=accumulate, update_score=update_score,
-                count_step=tau >= 1 and rec.masks.num_unselected < rec.cols,
-            ))
+            count_step = tau >= 1 and rec.masks.num_unselected < rec.cols
+            if g2 is None:  # captured in backward: the fused step on the compact gradient; the slot has landed
+                calls += capture.step_args(p, st, rec, w2=w2, hp=hp, score=score_of(p) if update_score else None,
+                                           count_step=count_step)
+            else:
+                acc, accumulate = pipeline.step_sum(st)
+                calls.append(FusedStepArgs(
+                    param=w2, grad=g2, score=score_of(p), slot=st["slot"], col_step=st["col_step"],
+                    master=st["master"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=acc, hp=hp,
+                    accumulate=accumulate, update_score=update_score, count_step=count_step,
+                ))
             if pipeline.host_sums:
                 landed.append((p, g2, st["acc_count"] > 0))
             st["acc_count"] += 1
         if calls:
             ops.fused_steps_(calls)
+        capture.finish_step()
         if landed:
             pipeline.land(landed, self.state, cpu_threads=cfg.cpu_threads)
         if not selecting:

@@ -219,14 +219,15 @@ def _matrix(p: torch.Tensor, min_offload_numel: int) -> bool:
 
 def gather_step(
     param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[str, Any]], *, decoupled: bool,
-    offloads: Callable[[torch.Tensor], bool],
+    offloads: Callable[[torch.Tensor], bool], captured: Callable[[torch.Tensor], bool] = lambda p: False,
 ) -> tuple[list[tuple[AdamHyperparams, list[torch.Tensor]]], list[tuple[AdamHyperparams, torch.Tensor]],
            list[torch.Tensor], list[torch.Tensor], torch.device | None]:
     """What one ``step()`` works on, every group's hyperparameters and every gradient checked before anything
     changes (the error names the parameter): ``(resident, offloaded, fresh, fresh_resident, device)``, the resident
     parameters with a gradient per group, the offloaded ones with their group's record, those of each kind stepping
     for the first time (each once, though a group may list a parameter twice), and the parameters' device (None
-    when no parameter has a gradient)."""
+    when no parameter has a gradient). A parameter whose gradient was ``captured`` in backward (grads_in_backward,
+    checked there) has one, though its ``.grad`` is None."""
     resident: list[tuple[AdamHyperparams, list[torch.Tensor]]] = []
     offloaded: list[tuple[AdamHyperparams, torch.Tensor]] = []
     fresh: list[torch.Tensor] = []
@@ -239,11 +240,16 @@ def gather_step(
         for p in group["params"]:
             if p.is_meta:
                 raise RuntimeError(f"{describe(p, param_groups)} is on the meta device: {META_HINT}")
-            if p.grad is None:
+            taken = captured(p)
+            if p.grad is None and not taken:
                 continue
             offloaded_here = offloads(p)
             try:
-                check_grad(p, p.grad, offloaded=offloaded_here)
+                if taken and p.grad is not None:
+                    raise RuntimeError("has a .grad beside the gradient captured in backward (grads_in_backward): "
+                                       "was .grad set by hand after backward()?")
+                if not taken:
+                    check_grad(p, p.grad, offloaded=offloaded_here)
             except RuntimeError as exc:
                 raise RuntimeError(f"{describe(p, param_groups)}: {exc}") from None
             if device is None:

@@ -193,7 +193,7 @@ class Pipeline:
         buffers += [self._bf16_landing] + (self._sums.buffers() if self._sums is not None else [])
         return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
-    def report(self, state: State | None = None) -> dict[str, Any]:
+    def report(self, state: State | None = None, extra_device_bytes: int = 0) -> dict[str, Any]:
         """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
         parameter's rows here); ``offloaded_params`` counts whole parameters."""
         records, slabs = self.records, self.slabs
@@ -210,8 +210,8 @@ class Pipeline:
             "offloaded_params": sum(p.numel() for p in records),
             "accumulate": self.accumulate,
             "accumulate_reason": self.accumulate_reason,
-            "device_bytes_per_param": (self.device_bytes(state) / local_numel if state is not None and local_numel
-                                       else 0.0),
+            "device_bytes_per_param": ((self.device_bytes(state) + extra_device_bytes) / local_numel
+                                       if state is not None and local_numel else 0.0),
         }
 
     # ------------------------------------------------------------------ host state
@@ -280,7 +280,11 @@ class Pipeline:
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         if self.accumulate is None:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
-            self.accumulate, self.accumulate_reason = place_sums(params, self.config)
+            if self.config.grads_in_backward and self.config.accumulate == "auto":
+                # Captured gradients are held on the host until step() (config.py): only "host" can hold them.
+                self.accumulate, self.accumulate_reason = "host", "grads_in_backward"
+            else:
+                self.accumulate, self.accumulate_reason = place_sums(params, self.config)
             if self.accumulate == "host":
                 self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -311,6 +315,19 @@ class Pipeline:
         except WorkerError as exc:
             self.failure = exc
             raise
+
+    def claim_slot(self) -> int:
+        """grads_in_backward: the landing slot the next :meth:`land` fills, once the add of two steps ago no longer
+        reads it (a wait counted as stall); a gradient captured in backward lands there directly."""
+        try:
+            return self._sums.claim_slot(lambda job, worker: self._wait_job(job, worker, stall=True))
+        except WorkerError as exc:
+            self.failure = exc
+            raise
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """CUDA: the device-to-host stream (window sums, per-step gradients, captured gradients)."""
+        return self._d2h(device)
 
     def release_gradients(self) -> None:
         """Before gradients are changed in place (``zero_grad(set_to_none=False)``): see

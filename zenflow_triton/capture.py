@@ -1,0 +1,349 @@
+"""grads_in_backward (DESIGN §3, §5): the offloaded parameters' gradients consumed while backward runs.
+
+A ``register_post_accumulate_grad_hook`` on each offloaded parameter takes its gradient as soon as autograd has
+accumulated it and sets ``p.grad`` to None, so the model's full gradient never exists on the device (one parameter's
+at a time). The hook (:meth:`GradientCapture.capture`)
+
+- adds the gradient's column sums of squares (``ops.column_sumsq_``, the function the step path uses) into a
+  per-step fp32 ``[C]`` buffer, added to the scores at ``step()``;
+- gathers the selected columns into a compact ``[R, k]`` device buffer in the parameter's dtype;
+- lands the whole gradient in this step's pinned host landing slot of accumulate="host" (on CUDA a non-blocking
+  copy on the device-to-host stream; on CPU tensors a copy);
+
+and a second ``backward()`` before ``step()`` adds into all three in the parameter's dtype, which rounds exactly as
+``.grad``'s accumulation does (on CUDA its host add waits for the copy in the training thread). Nothing captured
+enters the window sum before ``step()``: ``zero_grad()`` discards a capture as it would ``.grad``.
+
+At ``step()`` a captured parameter steps through :meth:`GradientCapture.step_args`: the backend's own fused step on
+the compact gradient (slot map the identity, scores added before), its result scattered into the parameter's
+selected columns, so the update is the default mode's bit for bit; the landed slot goes to the adder as it is. A
+selection step migrates the compact gradient to the new selection (staying columns from the old compact buffer,
+joining ones from the host slot, which holds the whole gradient).
+
+Every backward is captured, the first one included: its hook makes the offloaded state (as the first ``step()``
+would), so the model's full gradient never exists on the device, not even at the first step. A warm-up step's
+gradient then reaches the host through the window sum, and the first selection's compact gradient is gathered from
+the host slot after it (an empty selection migrating to the first one). The hook passes through (``.grad`` stays,
+the ordinary path) only once the optimizer is closed or failed; a parameter that did not require a gradient when
+its group was added has no hook, and keeps ``.grad``. One process only: in a job of several (DDP) the hook would
+consume the local gradient before its all-reduce, so that is refused, as are DTensor (FSDP2) parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kernels import AdamHyperparams, FusedStepArgs
+from .params import check_grad, describe, offloads
+from .sharding import is_sharded
+
+__all__ = ["Captured", "GradientCapture", "Selection"]
+
+
+@dataclass(eq=False)
+class Selection:
+    """A parameter's selection as the capture reads it; rebuilt whenever ``state["slot"]`` is a new tensor (after
+    a selection step, a load, a state mover)."""
+
+    slot: torch.Tensor  # the state["slot"] it was built from
+    host_map: torch.Tensor  # CPU int32 [C]: its slot map (a copy: the masks are refreshed in place)
+    idx: torch.Tensor  # device int64 [k]: the selected columns, increasing (the compact state's order)
+    ident: torch.Tensor  # device int32 [k]: 0..k-1, the compact fused step's slot map
+    no_score: torch.Tensor  # device fp32 [k]: the compact fused step's score argument (update_score=False)
+
+
+@dataclass(eq=False)
+class Captured:
+    """One parameter's gradient captured since the last ``step()`` (``count`` backward() calls)."""
+
+    step_score: torch.Tensor  # device fp32 [C]: this step's column sums of squares
+    compact: torch.Tensor  # device [R, k] in the parameter's dtype: the selected columns (``selection``'s)
+    host: torch.Tensor  # host [R, C] in the parameter's dtype: the whole gradient, in this step's landing slot
+    selection: Selection
+    count: int = 1
+    ready: torch.cuda.Event | None = None  # CUDA: after the last copy into ``host``
+
+
+def check_capturable(p: torch.Tensor, where: str, *, grad_dtype: str, seen: set[int]) -> None:
+    """``ValueError`` for an offloaded parameter that grads_in_backward cannot capture (named by ``where``)."""
+    if p.dtype == torch.float16:
+        raise ValueError(f"grads_in_backward=True: {where} is float16; AMP's GradScaler needs the gradients in "
+                         ".grad to unscale them, which the capture removes. Train in bfloat16 (no scaler needed), or "
+                         "set grads_in_backward=False")
+    if is_sharded(p):
+        raise ValueError(f"grads_in_backward=True: {where} is a DTensor (FSDP2); capturing sharded gradients is not "
+                         "supported: set grads_in_backward=False")
+    if grad_dtype == "bfloat16" and p.dtype == torch.float32:
+        raise ValueError(f"grads_in_backward=True: {where} is float32 with grad_dtype='bfloat16': micro-batches "
+                         "would sum in bf16 on the host, not as .grad sums them; use grad_dtype='float32'")
+    if id(p) in seen:
+        raise ValueError(f"grads_in_backward=True: {where} is listed twice; list each parameter once")
+    seen.add(id(p))
+
+
+def check_single_process() -> None:
+    """``RuntimeError`` in a multi-process job: the hook would take each rank's local gradient before DDP's (or any)
+    all-reduce of ``.grad``, which then finds None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("grads_in_backward=True in a job of several processes: the hooks would consume each "
+                           "rank's local gradient before its all-reduce (DDP's, or yours on .grad); it is supported in "
+                           "one process only: set grads_in_backward=False")
+
+
+class GradientCapture:
+    """The hooks and captured gradients of one optimizer (``optimizer.config.grads_in_backward``; without it a
+    shell that captures nothing). It reads the optimizer's state, pipeline, schedule and knobs through a weak
+    reference, and the hooks reach it through one: neither keeps the other alive."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._opt = weakref.ref(optimizer)
+        self.enabled = bool(optimizer.config.grads_in_backward)
+        self.captured: dict[torch.Tensor, Captured] = {}
+        self._hooks: dict[torch.Tensor, Any] = {}
+        self._selections: dict[torch.Tensor, Selection] = {}
+        self._scores: dict[torch.Tensor, torch.Tensor] = {}
+        self._scratch: torch.Tensor | None = None  # CUDA: pinned host buffer for a later micro-batch's copy
+        self._scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ hooks
+
+    def check(self, params: Iterable[Any]) -> None:
+        """Before a group is added (named ``(name, tensor)`` pairs allowed): ``ValueError`` for a parameter the
+        capture cannot take (:func:`check_capturable`)."""
+        if not self.enabled:
+            return
+        config = self._opt().config
+        check_single_process()
+        seen = {id(p) for p in self._hooks}
+        for i, p in enumerate(p[1] if isinstance(p, tuple) else p for p in params):
+            if offloads(p, config.min_offload_numel):  # resident ones keep an ordinary .grad
+                check_capturable(p, f"parameter {i} of the group (shape {tuple(p.shape)})",
+                                 grad_dtype=config.grad_dtype, seen=seen)
+
+    def register(self, params: Iterable[Any]) -> None:
+        """Hook the offloaded parameters of a group just added (:meth:`check` passed)."""
+        if not self.enabled:
+            return
+        config = self._opt().config
+        plain = [p[1] if isinstance(p, tuple) else p for p in params]
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            capture = ref()
+            if capture is not None:
+                capture.capture(p)
+
+        for p in plain:
+            if offloads(p, config.min_offload_numel) and p.requires_grad:
+                self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
+
+    def close(self) -> None:
+        """Remove every hook (``close()``): later backward() calls leave ``.grad`` as torch does."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self.captured.clear()
+        self._selections.clear()
+        self._scores.clear()
+        self._scratch = None
+
+    def discard(self) -> None:
+        """``zero_grad()``: forget what was captured since the last step (the buffers are overwritten next time)."""
+        self.captured.clear()
+
+    def has(self, p: torch.Tensor) -> bool:
+        return p in self.captured
+
+    def check_none_pending(self, call: str) -> None:
+        """``RuntimeError`` when a gradient was captured since the last step (``call`` would replace the state it
+        was split by)."""
+        if self.captured:
+            raise RuntimeError(f"{call} between backward() and step() with grads_in_backward=True: the captured "
+                               "gradients belong to the state being replaced; call step() or zero_grad() first")
+
+    # ------------------------------------------------------------------ the hook's body
+
+    def capture(self, p: torch.Tensor) -> None:
+        opt = self._opt()
+        if opt is None:
+            return
+        pipeline, knobs = opt._pipeline, opt._knobs
+        g = p.grad
+        if g is None or pipeline.closed or pipeline.failure is not None or p.is_meta:
+            return
+        if p not in pipeline.records and not opt.state.get(p):
+            # The first backward: the offloaded state is made now, for every hooked parameter at once (one slab),
+            # as the first step() would make it (nothing of it depends on the gradient), so that the first step's
+            # gradient is captured too: the full gradient never exists, not even once.
+            self._make_state(opt, pipeline)
+        rec = pipeline.records.get(p)
+        st = opt.state.get(p) if rec is not None else None
+        if not st:
+            return
+        try:
+            check_grad(p, g, offloaded=True)
+        except RuntimeError as exc:
+            raise RuntimeError(f"grads_in_backward: {describe(p, opt.param_groups)}: {exc}") from None
+        ops = pipeline.device_ops(p.device)
+        rows, cols = rec.rows, rec.cols
+        g2 = g.view(rows, cols)
+        scores = knobs.resolved.topk_ratio != 0
+        cap = self.captured.get(p)
+        if cap is None:
+            sel = self._selection(p, st, rec)
+            host = rec.slots[pipeline.claim_slot()].view(rows, cols)
+            score = self._scores.get(p)
+            if score is None:
+                score = self._scores[p] = torch.zeros(cols, dtype=torch.float32, device=p.device)
+            cap = Captured(step_score=score, compact=g2.index_select(1, sel.idx), host=host, selection=sel)
+            if scores:
+                score.zero_()
+                ops.column_sumsq_(score, g2)
+            if p.device.type == "cuda":
+                cap.ready = self._copy_out(pipeline, g, host, g2)
+            else:
+                host.copy_(g2)
+            self.captured[p] = cap
+        else:
+            # Summed in the parameter's dtype, as autograd sums .grad over backward() calls.
+            cap.compact.add_(g2.index_select(1, cap.selection.idx))
+            if scores:
+                ops.column_sumsq_(cap.step_score, g2)
+            if p.device.type == "cuda":
+                numel = g2.numel()
+                if self._scratch is None or self._scratch.numel() < numel or self._scratch.dtype != g.dtype:
+                    self._scratch = torch.empty(numel, dtype=g.dtype, pin_memory=True)
+                scratch = self._scratch[:numel].view(rows, cols)
+                # Backward (this hook, on autograd's device thread) waits for this copy and the earlier ones into
+                # the slot (same stream) to add on the host: a later micro-batch costs its gradient's device-to-host
+                # time inside backward. The scratch is reused only after that wait.
+                self._copy_out(pipeline, g, scratch, g2).synchronize()
+                cap.host.add_(scratch)
+            else:
+                cap.host.add_(g2)
+            cap.count += 1
+        p.grad = None
+
+    def _make_state(self, opt: Any, pipeline: Any) -> None:
+        check_single_process()  # the process group may have been made after the optimizer
+        fresh = [q for q in self._hooks if q not in pipeline.records and not opt.state.get(q) and not q.is_meta
+                 and q.device == (opt._device or q.device)]
+        if fresh:
+            opt._device = fresh[0].device
+            pipeline.add(fresh, opt.state)
+
+    def _copy_out(self, pipeline: Any, g: torch.Tensor, dst: torch.Tensor, g2: torch.Tensor) -> torch.cuda.Event:
+        """CUDA: ``dst`` (pinned host) = ``g2`` on the device-to-host stream after the compute stream's work so far;
+        the event marks its end."""
+        device = g.device
+        stream = pipeline.copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            if pipeline.test_delays.get("d2h"):  # tests only: a missing wait on this copy shows as wrong numbers
+                torch.cuda._sleep(pipeline.test_delays["d2h"])
+            dst.copy_(g2, non_blocking=True)
+            # The gradient is set to None next: its memory must not be handed out before this stream read it.
+            g.record_stream(stream)
+            ready = torch.cuda.Event(blocking=True)
+            ready.record(stream)
+        return ready
+
+    def _selection(self, p: torch.Tensor, st: dict[str, Any], rec: Any) -> Selection:
+        sel = self._selections.get(p)
+        if sel is None or sel.slot is not st["slot"]:
+            host_map = rec.masks.host_slot.clone()
+            dev = st["slot"].device
+            idx = torch.nonzero(host_map >= 0).squeeze(1).to(dev)
+            k = idx.numel()
+            sel = self._selections[p] = Selection(
+                slot=st["slot"], host_map=host_map, idx=idx,
+                ident=torch.arange(k, dtype=torch.int32, device=dev),
+                no_score=torch.zeros(k, dtype=torch.float32, device=dev))
+        return sel
+
+    # ------------------------------------------------------------------ step()
+
+    def add_score_(self, p: torch.Tensor, score: torch.Tensor) -> None:
+        """This step's column scores into ``score`` (``score += step_score``: the bits of ``column_sumsq_(score, g)``
+        with one backward per step)."""
+        score.add_(self.captured[p].step_score)
+
+    def step_args(self, p: torch.Tensor, st: dict[str, Any], rec: Any, *, w2: torch.Tensor, hp: AdamHyperparams,
+                  score: torch.Tensor | None, count_step: bool) -> list[FusedStepArgs]:
+        """The fused step of a captured parameter on its compact gradient (none when nothing is selected); its
+        result reaches the parameter and ``col_step`` at :meth:`finish_step`. ``score``: where this step's scores
+        go (None: nowhere, a selection step already added them)."""
+        cap = self.captured[p]
+        if score is not None:
+            score.add_(cap.step_score)
+        sel = self._selection(p, st, rec)
+        compact = cap.compact if cap.selection is sel else self._migrate(cap, sel, rec)
+        if sel.idx.numel() == 0:
+            return []
+        out = torch.empty_like(compact)
+        col_step = st["col_step"].index_select(0, sel.idx)
+        self._scatters.append((w2, out, st["col_step"], col_step, sel.idx))
+        return [FusedStepArgs(param=out, grad=compact, score=sel.no_score, slot=sel.ident, col_step=col_step,
+                              master=st["master"], exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"], acc=None,
+                              hp=hp, accumulate=False, update_score=False, count_step=count_step)]
+
+    def finish_step(self) -> None:
+        """After the fused steps: the compact results into the parameters' selected columns and step counts; every
+        capture is consumed (the landed slots go to the adder)."""
+        for w2, out, col_step, counted, idx in self._scatters:
+            w2.index_copy_(1, idx, out)
+            col_step.index_copy_(0, idx, counted)
+        self._scatters.clear()
+        self.captured.clear()
+
+    def _migrate(self, cap: Captured, sel: Selection, rec: Any) -> torch.Tensor:
+        """The compact gradient for the new selection ``sel``: staying columns from the old compact buffer, joining
+        ones from the host slot (the whole gradient; its copies must have landed)."""
+        old, new = cap.selection.host_map, sel.host_map
+        dev = cap.compact.device
+        out = torch.empty((rec.rows, sel.idx.numel()), dtype=cap.compact.dtype, device=dev)
+        staying = torch.nonzero((old >= 0) & (new >= 0)).squeeze(1)
+        joining = torch.nonzero((old < 0) & (new >= 0)).squeeze(1)
+        if staying.numel():
+            out[:, new[staying].long().to(dev)] = cap.compact.index_select(1, old[staying].long().to(dev))
+        if joining.numel():
+            if cap.ready is not None:
+                cap.ready.synchronize()
+            out[:, new[joining].long().to(dev)] = cap.host.index_select(1, joining).to(dev)
+        return out
+
+    # ------------------------------------------------------------------ clipping, telemetry
+
+    def whole_gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """A captured parameter's whole gradient, on the host (for the clipping norm): the landing slot, once its
+        copies have landed (on CUDA step() waits for them here)."""
+        cap = self.captured[p]
+        if cap.ready is not None:
+            cap.ready.synchronize()
+        return cap.host
+
+    def scale_(self, p: torch.Tensor, coef: torch.Tensor) -> None:
+        """Clipping: scale a captured gradient as ``grad.mul_(coef)`` would (compact part on the device, the slot on
+        the host in the training thread); its scores by ``coef**2`` (the clipped gradient's, to rounding)."""
+        cap = self.captured[p]
+        cap.compact.mul_(coef.to(cap.compact.device))
+        cap.host.mul_(coef.to(cap.host.device))
+        cap.step_score.mul_((coef * coef).to(device=cap.step_score.device, dtype=torch.float32))
+
+    def device_bytes(self, records: Any) -> int:
+        """Device bytes of the capture per step, for ``device_bytes_per_param``: each offloaded parameter's compact
+        selected gradient (counted whether or not a backward holds one now), its score buffer and selection
+        indices."""
+        if not self.enabled:
+            return 0
+        total = 0
+        for p, rec in records.items():
+            k = rec.cols - rec.masks.num_unselected
+            total += rec.rows * k * p.element_size() + 4 * rec.cols + 16 * k
+        return total
