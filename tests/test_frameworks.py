@@ -9,7 +9,6 @@ crosses windows (update_interval=4) with checkpoints and evaluations mid-window.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 import io
 import logging
@@ -24,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from zenflow_triton import ZenFlowAdamW, ZenFlowConfig
+from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.integrations import close_all, flush_all, unwrap_optimizer, zenflow_optimizers
 
 HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
@@ -519,20 +518,10 @@ def test_hf_trainer_resume_mid_window_and_evaluation(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- clipping
 
 
-@dataclasses.dataclass(frozen=True)
-class InBackwardConfig(ZenFlowConfig):
-    """The optimizer's config with ``grads_in_backward`` on, for the callbacks' clipping check (they read
-    ``opt.config.grads_in_backward``). The optimizer itself still fills ``.grad``, so a run under it trains as with
-    the knob and the frameworks' clipping would still work: what these tests check is what the callbacks decide
-    and that the clipping the user asked for is the one applied."""
-
-    grads_in_backward: bool = True
-
-
-def in_backward(opt: ZenFlowAdamW) -> ZenFlowAdamW:
-    opt.config = InBackwardConfig(**{**opt.config.to_dict(), "grads_in_backward": True})
-    assert opt.config.grads_in_backward
-    return opt
+def zenflow(params: Any, *, knob: bool, **kw: Any) -> ZenFlowAdamW:
+    """The tests' optimizer, with ``grads_in_backward`` (the offloaded gradients consumed during backward, so only
+    the optimizer can clip them) when ``knob``."""
+    return ZenFlowAdamW(params, **OPT_KW, grads_in_backward=knob, **kw)
 
 
 # Small enough that the framework's clipping scales every step's gradient (TinyNet's norms are ~0.3-1).
@@ -542,7 +531,7 @@ CLIP = 0.05
 def _hf_clip_run(out: Path, *, knob: bool, own: float | None = None, framework_clip: float = CLIP,
                  runs: int = 1) -> tuple[list[torch.Tensor], Any, ZenFlowAdamW, list[float]]:
     """Six steps under the HF Trainer with the callback (``runs`` times with the same trainer and optimizer); the
-    optimizer ``knob``-faked in-backward with ``max_grad_norm=own``. Returns the weights, the Trainer's args after
+    optimizer with ``grads_in_backward=knob`` and ``max_grad_norm=own``. Returns the weights, the Trainer's args after
     training, the optimizer and the ``args.max_grad_norm`` the Trainer read at each step."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -559,9 +548,7 @@ def _hf_clip_run(out: Path, *, knob: bool, own: float | None = None, framework_c
                              lr_scheduler_type="constant", max_grad_norm=framework_clip, logging_strategy="no",
                              save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
                              dataloader_num_workers=0, seed=0, use_cpu=True)
-    opt = ZenFlowAdamW(model.parameters(), **OPT_KW, max_grad_norm=own)
-    if knob:
-        in_backward(opt)
+    opt = zenflow(model.parameters(), knob=knob, max_grad_norm=own)
     trainer = Trainer(model=model, args=args, train_dataset=_hf_rows(TRAIN), optimizers=(opt, None),
                       callbacks=[ZenFlowTrainerCallback(close_at_train_end=False), Spy()])
     try:
@@ -609,8 +596,8 @@ def _lightning_clip_run(root: Path, *, knob: bool, own: float | None = None, cli
                         algorithm: str | None = None,
                         fits: int = 1) -> tuple[list[torch.Tensor], Any, list[ZenFlowAdamW], list[Any]]:
     """Six steps under Lightning with the callback, ``gradient_clip_val=clip`` (``fits`` times with the same
-    trainer, each fit with a new optimizer from configure_optimizers); the optimizers ``knob``-faked in-backward
-    with ``max_grad_norm=own``. Returns the weights, the trainer, the optimizers and the gradient_clip_val the
+    trainer, each fit with a new optimizer from configure_optimizers); the optimizers with ``grads_in_backward=knob``
+    and ``max_grad_norm=own``. Returns the weights, the trainer, the optimizers and the gradient_clip_val the
     trainer held at each step."""
     import lightning.pytorch as pl
 
@@ -629,8 +616,8 @@ def _lightning_clip_run(root: Path, *, knob: bool, own: float | None = None, cli
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self) -> Any:
-            opt = ZenFlowAdamW(self.net.parameters(), **OPT_KW, max_grad_norm=own)
-            made.append(in_backward(opt) if knob else opt)
+            opt = zenflow(self.net.parameters(), knob=knob, max_grad_norm=own)
+            made.append(opt)
             return opt
 
     module = Module()
@@ -685,13 +672,10 @@ def test_clipping_moved_in_survives_deepcopy() -> None:
     from zenflow_triton.integrations import take_over_clipping
 
     model = TinyNet()
-    opt = in_backward(ZenFlowAdamW(model.parameters(), **OPT_KW))
+    opt = zenflow(model.parameters(), knob=True)
     assert not take_over_clipping(opt, 0.0, framework="X", switch_off="x=0")
     assert opt.config.max_grad_norm is None
     assert take_over_clipping([opt], 0.25, framework="X", switch_off="x=0")
-    # Back to the real config class (the copy is rebuilt through the constructor, which takes its fields only).
-    real = {f.name for f in dataclasses.fields(ZenFlowConfig)}
-    opt.config = ZenFlowConfig.from_dict({k: v for k, v in opt.config.to_dict().items() if k in real})
     train_step(model, opt, 0)
     twin = copy.deepcopy(opt)
     assert twin.stats()["max_grad_norm"] == 0.25 and twin.config.max_grad_norm == 0.25
