@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--out (its AdamW runs are reused: they are deterministic, which one rerun checks)")
     parser.add_argument("--add-lrs", type=float, nargs="+", default=[], help="with --add-to: lrs added to the grid")
     parser.add_argument("--at-lrs", type=float, nargs="+", help="with --add-to: run only at these lrs")
+    parser.add_argument("--skip-adamw", action="store_true",
+                        help="with --add-to: no AdamW runs at the new lrs (where its best is inside the old grid)")
     args = parser.parse_args(argv)
     if args.report is not None:
         doc = json.loads(args.report.read_text())
@@ -459,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps])
     if args.add_to is not None:
         doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
-                       add_lrs=args.add_lrs, at_lrs=args.at_lrs, save=save)
+                       add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)
     else:
         # The long task runs fewer seeds: it costs 5x a short one.
         per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
@@ -481,12 +483,12 @@ def _write_table(path: Path, doc: dict) -> None:
 
 
 def add_runs(prev: dict, wanted: Sequence[Config], *, command: str, task_names: Sequence[str] | None = None,
-             add_lrs: Sequence[float] = (), at_lrs: Sequence[float] | None = None,
+             add_lrs: Sequence[float] = (), at_lrs: Sequence[float] | None = None, adamw_runs: bool = True,
              save: Callable[[dict], None] | None = None) -> dict:
     """``prev`` plus the runs of ``wanted`` (and AdamW) it lacks, on its seeds: on ``task_names`` (default: all of
     its tasks), whose lr grids gain ``add_lrs``, at ``at_lrs`` only if given. Configurations of ``prev`` not in
-    ``wanted`` are not run at the new lrs (the summary judges each at the lrs it has). AdamW's runs are reused (CPU,
-    one thread: deterministic), which one rerun checks."""
+    ``wanted`` are not run at the new lrs (the summary judges each at the lrs it has), nor is AdamW unless
+    ``adamw_runs``. AdamW's runs are reused (CPU, one thread: deterministic), which one rerun checks."""
     names = task_names or [t["name"] for t in prev["tasks"]]
     doc = json.loads(json.dumps(prev))
     known = {c["name"] for c in doc["configs"]}
@@ -500,7 +502,7 @@ def add_runs(prev: dict, wanted: Sequence[Config], *, command: str, task_names: 
     adamw = doc["configs"][0]["name"]
     old_lr = {t["name"]: f"{t['lrs'][0]:g}" for t in prev["tasks"]}
     seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][old_lr[t.name]]) for t in task_list}
-    run_names = {adamw} | {c.name for c in wanted}
+    run_names = {c.name for c in wanted if adamw_runs or not c.is_adamw}
     at = None if at_lrs is None else {f"{x:g}" for x in at_lrs}
 
     def skip(task: str, config: str, lr: float, seed: int) -> bool:
