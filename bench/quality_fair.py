@@ -20,13 +20,19 @@ parameters offloaded; batch 8 x 64 bytes, AdamW weight decay 0.01 everywhere, co
   10%), linear warm-up over 5% of the steps, then cosine decay to 0.1x: a run long enough that Adam's bias
   correction is no longer what the loss is about.
 
-ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``select_interval = 8 U``,
-``overlap`` on and off, each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with
-lr x s). Held-out loss after ``flush()``. One core: ``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not
-depend on thread counts, DESIGN §3). The run writes its JSON after every task and seed, so a run cut short keeps
-what it measured; ``--report JSON`` rebuilds the Markdown from it::
+ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``overlap`` on and off
+(``--overlaps``), each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with lr x s),
+``warmup_steps`` of ``--warmups`` (default 0) and ``select_interval`` of ``--select-intervals`` (default 8 U); a knob
+at its default is left out of a configuration's name. Held-out loss after ``flush()``. One core:
+``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not depend on thread counts, DESIGN §3). The run
+writes its JSON after every task and seed, so a run cut short keeps what it measured; ``--report JSON`` rebuilds the
+Markdown from it. ``--add-to JSON`` runs only what JSON lacks: new configurations, or known ones at lrs added with
+``--add-lrs`` (``--at-lrs``: only there; ``--tasks``: only those tasks); each configuration is then judged at the
+lrs it was run at (README, Training quality, has the commands)::
 
     nice -n 10 python bench/quality_fair.py --out bench/results/quality-fair-2026-12-01
+    nice -n 10 python bench/quality_fair.py --out OUT --add-to bench/results/quality-fair-2026-12-01.json \
+        --tasks scratch --scales 1 --warmups 50 --overlaps on --add-lrs 8e-3
 
 ``ZENFLOW_BENCH_SMOKE=1`` (or ``--smoke``) shrinks everything to seconds (bench/bench_quality_fair.py, in CI).
 """
@@ -345,8 +351,9 @@ def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
                                          if lr in summary[t]["configs"][base]["equal_lr"]), 4)
                                for t, task in ((t["name"], t) for t in doc["tasks"] if t["name"] in summary)],
             "stable": finite and not spiky, "tasks": tasks,
-            "source": f"bench/quality_fair.py, {doc['measured']['date']}: best held-out loss over lrs "
-                      f"{sorted({lr for t in doc['tasks'] for lr in t['lrs']})}, mean over seeds",
+            "source": f"bench/quality_fair.py, {_dates(doc)}: best held-out loss over lrs "
+                      f"{sorted({float(k) for t in tasks for k, v in doc['runs'][t][c['name']].items() if v})}, "
+                      "mean over seeds",
         })
     return entries
 
@@ -358,6 +365,11 @@ def _added_where(a: dict) -> str:
     if a.get("tasks"):
         parts.append(f" on {', '.join(a['tasks'])}")
     return "".join(parts)
+
+
+def _dates(doc: dict) -> str:
+    first, last = doc["measured"]["date"], ([a.get("date") for a in doc["measured"].get("added", [])] or [None])[-1]
+    return first if last in (None, first) else f"{first} to {last}"
 
 
 def render(doc: dict, summary: dict) -> str:
@@ -377,7 +389,8 @@ def render(doc: dict, summary: dict) -> str:
           f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
           for a in m.get("added", [])),
         f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
-        f"{doc['select_interval']}; batch {doc['batch']}, weight decay {doc['weight_decay']:g}",
+        f"{doc['select_interval']} (in a name, S=N: select_interval N; warm=N: warmup_steps N); batch {doc['batch']}, "
+        f"weight decay {doc['weight_decay']:g}",
         "- best-to-best: a configuration's lowest mean held-out loss over the lr grid / AdamW's, (min-max) over seeds "
         "of the per-seed ratio, each at its own best lr. Equal lr: mean (min-max) of the per-seed ratio at that lr. "
         "Spike: the smoothed training loss's largest relative rise above its running minimum after the first 10% "
