@@ -32,6 +32,11 @@ grid), "tasks" ([task] names), "source"}`` (``bench/quality_fair.py`` measures t
 lower best loss on every task, stayed stable and, where ``equal_lr_worst`` is given, was nowhere worse than 1.0 at
 equal lr (the tuner does not choose the lr: a scale that only pays off after the user retunes it is no gain), and
 1.0 (Adam's step) everywhere else.
+
+The table has no entries for ``warmup_steps`` or ``select_interval``: ``bench/quality_fair.py`` measured both at
+0.1 / 4 (``bench/results/quality-fair-2026-12-02.md``): a warm-up of 50-100 steps helps the 200-step tasks at lrs up
+to AdamW's best but not the 1000-step run, and hurts above that lr; ``select_interval`` 8 is inside the seed spread.
+Neither is a gain at every equal lr, and the tuner plans at the end of the warm-up, so it could not lengthen it.
 """
 
 from __future__ import annotations

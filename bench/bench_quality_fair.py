@@ -70,6 +70,33 @@ def test_add_to_measures_only_the_missing_configurations(tmp_path: Path) -> None
     assert "added ZenFlow overlap s=3, ZenFlow sequential s=3" in md and "| ZenFlow overlap s=3 |" in md
 
 
+def test_add_to_fills_in_new_lrs_and_knob_variants_only_where_asked(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    assert quality_fair.main(["--smoke", "--out", str(first), "--scales", "1", "--tasks", "scratch"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(second), "--add-to", str(first.with_suffix(".json")),
+                              "--scales", "1", "--overlaps", "on", "--warmups", "0", "2", "--select-intervals", "0",
+                              "4", "--add-lrs", "8e-3", "--at-lrs", "8e-3"]) == 0
+    one, two = (json.loads(p.with_suffix(".json").read_text()) for p in (first, second))
+    runs = two["runs"]["scratch"]
+    assert two["tasks"][0]["lrs"] == [5e-4, 1e-3, 8e-3]
+    assert set(runs["AdamW"]) == set(runs["ZenFlow overlap s=1"]) == {"0.0005", "0.001", "0.008"}
+    assert set(runs["ZenFlow sequential s=1"]) == {"0.0005", "0.001"}  # not asked for: not run at the new lr
+    for name in ("ZenFlow overlap s=1 warm=2", "ZenFlow overlap s=1 S=4", "ZenFlow overlap s=1 warm=2 S=4"):
+        assert set(runs[name]) == {"0.008"}
+    assert runs["AdamW"]["0.001"] == one["runs"]["scratch"]["AdamW"]["0.001"]  # old cells kept
+    losses = {name: runs[name]["0.008"]["1"]["loss"] for name in runs if "0.008" in runs[name]}
+    assert len(set(losses.values())) == len(losses)  # warmup_steps and select_interval are wired through
+    rows = quality_fair.summarize(two)["scratch"]["configs"]
+    assert set(rows["ZenFlow sequential s=1"]["equal_lr"]) == {"0.0005", "0.001"}
+    assert rows["ZenFlow overlap s=1 warm=2"]["best_lr"] == 0.008
+    assert rows["ZenFlow overlap s=1 warm=2"]["best_to_best"] == pytest.approx(
+        losses["ZenFlow overlap s=1 warm=2"] / min(runs["AdamW"][k]["1"]["loss"] for k in runs["AdamW"]))
+    md = second.with_suffix(".md").read_text()
+    assert "| ZenFlow overlap s=1 warm=2 S=4 | 0.008* |" in md and "at lrs 0.008 on scratch" in md
+    # Table entries compare scales at the default warm-up and selection only.
+    assert quality_fair.host_scale_entries(two, quality_fair.summarize(two)) == []
+
+
 def _doc(losses: dict[str, dict[str, dict[str, float]]], lrs: list[float], seeds: list[int]) -> dict:
     runs = {name: {lr: {s: {"loss": x, "spike": 0.0, "curve": []} for s, x in per_seed.items()}
                    for lr, per_seed in by_lr.items()} for name, by_lr in losses.items()}

@@ -20,13 +20,19 @@ parameters offloaded; batch 8 x 64 bytes, AdamW weight decay 0.01 everywhere, co
   10%), linear warm-up over 5% of the steps, then cosine decay to 0.1x: a run long enough that Adam's bias
   correction is no longer what the loss is about.
 
-ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``select_interval = 8 U``,
-``overlap`` on and off, each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with
-lr x s). Held-out loss after ``flush()``. One core: ``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not
-depend on thread counts, DESIGN §3). The run writes its JSON after every task and seed, so a run cut short keeps
-what it measured; ``--report JSON`` rebuilds the Markdown from it::
+ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``overlap`` on and off
+(``--overlaps``), each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with lr x s),
+``warmup_steps`` of ``--warmups`` (default 0) and ``select_interval`` of ``--select-intervals`` (default 8 U); a knob
+at its default is left out of a configuration's name. Held-out loss after ``flush()``. One core:
+``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not depend on thread counts, DESIGN §3). The run
+writes its JSON after every task and seed, so a run cut short keeps what it measured; ``--report JSON`` rebuilds the
+Markdown from it. ``--add-to JSON`` runs only what JSON lacks: new configurations, or known ones at lrs added with
+``--add-lrs`` (``--at-lrs``: only there; ``--tasks``: only those tasks); each configuration is then judged at the
+lrs it was run at (README, Training quality, has the commands)::
 
     nice -n 10 python bench/quality_fair.py --out bench/results/quality-fair-2026-12-01
+    nice -n 10 python bench/quality_fair.py --out OUT --add-to bench/results/quality-fair-2026-12-01.json \
+        --tasks scratch --scales 1 --warmups 50 --overlaps on --add-lrs 8e-3
 
 ``ZENFLOW_BENCH_SMOKE=1`` (or ``--smoke``) shrinks everything to seconds (bench/bench_quality_fair.py, in CI).
 """
@@ -34,6 +40,7 @@ what it measured; ``--report JSON`` rebuilds the Markdown from it::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -55,7 +62,7 @@ from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import QualityTable
 from zenflow_triton.demo.charlm import CharLMConfig, evaluate, load_corpora, make_model, pretrained_state, train
 
-__all__ = ["Task", "Config", "tasks", "configs", "measure", "summarize", "render", "spike", "main"]
+__all__ = ["Task", "Config", "tasks", "configs", "measure", "add_runs", "summarize", "render", "spike", "main"]
 
 WEIGHT_DECAY = 0.01
 BATCH = 8
@@ -78,6 +85,8 @@ class Config:
     name: str
     overlap: bool | None = None  # None: torch.optim.AdamW
     host_lr_scale: float = 1.0
+    warmup_steps: int = 0
+    select_interval: int | None = None  # None: 8 U (the default)
 
     @property
     def is_adamw(self) -> bool:
@@ -99,11 +108,18 @@ def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3
     ]
 
 
-def configs(scales: Sequence[float]) -> list[Config]:
+def configs(scales: Sequence[float], warmups: Sequence[int] = (0,),
+            select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False)) -> list[Config]:
+    """AdamW, then ZenFlow at every overlap x scale x warm-up x select_interval; a knob at its default is left out
+    of the name (so names match older results)."""
     out = [Config("AdamW")]
-    for overlap in (True, False):
+    for overlap in overlaps:
         for s in scales:
-            out.append(Config(f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}", overlap, float(s)))
+            for w in warmups:
+                for sel in select_intervals:
+                    name = (f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}" + (f" warm={w}" if w else "")
+                            + (f" S={sel}" if sel else ""))
+                    out.append(Config(name, overlap, float(s), int(w), sel or None))
     return out
 
 
@@ -148,7 +164,8 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
     else:
         opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
                            update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
-                           host_lr_scale=config.host_lr_scale)
+                           host_lr_scale=config.host_lr_scale, warmup_steps=config.warmup_steps,
+                           select_interval=config.select_interval)
     try:
         sched = _schedule(opt, task.steps) if task.schedule else None
         losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
@@ -181,9 +198,11 @@ def _downsample(losses: Sequence[float], points: int = 50) -> list[float]:
 
 def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: dict[str, list[int]], topk_ratio: float,
             update_interval: int, command: str, save: Callable[[dict], None] | None = None,
-            progress: Callable[[str], None] = print) -> dict:
-    """Run every task x seed (``seeds[task.name]``) x lr x config; returns (and after every task and seed passes to
-    ``save``) the results as a plain dict: ``runs[task][config][str(lr)][str(seed)] = {"loss", "spike", "curve"}``."""
+            progress: Callable[[str], None] = print,
+            skip: Callable[[str, str, float, int], bool] | None = None) -> dict:
+    """Run every task x seed (``seeds[task.name]``) x lr x config, except where ``skip(task, config, lr, seed)``;
+    returns (and after every task and seed passes to ``save``) the results as a plain dict:
+    ``runs[task][config][str(lr)][str(seed)] = {"loss", "spike", "curve"}``."""
     started = time.perf_counter()
     cfg = CharLMConfig()
     corpora = load_corpora()
@@ -209,11 +228,17 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
         },
     }
     for task in task_list:
+        todo = [(seed, lr, config) for seed in seeds[task.name] for lr in task.lrs for config in config_list
+                if skip is None or not skip(task.name, config.name, lr, seed)]
+        if not todo:
+            continue
         start = pretrained_state(cfg, steps=task.pretrain_steps) if task.pretrain_steps else None
         for seed in seeds[task.name]:
+            if not any(s == seed for s, _, _ in todo):
+                continue
             for lr in task.lrs:
                 line = []
-                for config in config_list:
+                for config in (c for s, x, c in todo if s == seed and x == lr):
                     loss, losses = _run(task, config, lr=lr, seed=seed, start=start, data=data[task.corpus], cfg=cfg,
                                         topk_ratio=topk_ratio, update_interval=update_interval)
                     doc["runs"][task.name][config.name].setdefault(f"{lr:g}", {})[str(seed)] = {
@@ -221,6 +246,8 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
                         "curve": _downsample(losses),
                     }
                     line.append(f"{config.name}: {loss:.4f}")
+                if not line:
+                    continue
                 progress(f"{task.name} seed {seed} lr {lr:g}: " + "; ".join(line)
                          + f"  [{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f}]")
             doc["measured"]["wall_s"] = round(time.perf_counter() - started, 1)
@@ -259,27 +286,32 @@ def summarize(doc: dict) -> dict:
     for task in doc["tasks"]:
         t = task["name"]
         lrs = [f"{lr:g}" for lr in task["lrs"]]
+        # Each configuration over the lrs it was run at (runs added later may cover only part of the grid);
+        # configurations never run on this task are left out of it.
+        own = {c["name"]: [lr for lr in lrs if doc["runs"].get(t, {}).get(c["name"], {}).get(lr)]
+               for c in doc["configs"]}
+        own = {name: x for name, x in own.items() if x}
         seeds = [str(s) for s in doc["seeds"]
-                 if all(not math.isnan(_loss(doc, t, c["name"], lr, str(s))) for c in doc["configs"] for lr in lrs)]
-        if not seeds:
+                 if all(not math.isnan(_loss(doc, t, name, lr, str(s))) for name, x in own.items() for lr in x)]
+        if not seeds or adamw not in own:
             continue
 
-        a_lr, a_best = _best(doc, t, adamw, lrs, seeds)
+        a_lr, a_best = _best(doc, t, adamw, own[adamw], seeds)
         rows = {}
-        for c in doc["configs"]:
-            name = c["name"]
-            lr, mean = _best(doc, t, name, lrs, seeds)
+        for name, mine in own.items():
+            lr, mean = _best(doc, t, name, mine, seeds)
             per_seed = [_loss(doc, t, name, lr, s) / _loss(doc, t, adamw, a_lr, s) for s in seeds]
             at_lr = {}
-            for k in lrs:
-                rs = [_loss(doc, t, name, k, s) / _loss(doc, t, adamw, k, s) for s in seeds]
-                at_lr[k] = [statistics.fmean(rs), min(rs), max(rs)]
+            for k in mine:
+                if k in own[adamw]:
+                    rs = [_loss(doc, t, name, k, s) / _loss(doc, t, adamw, k, s) for s in seeds]
+                    at_lr[k] = [statistics.fmean(rs), min(rs), max(rs)]
             spikes_best = [doc["runs"][t][name][lr][s]["spike"] for s in seeds]
-            spikes_all = [doc["runs"][t][name][k][s]["spike"] for k in lrs for s in seeds]
+            spikes_all = [doc["runs"][t][name][k][s]["spike"] for k in mine for s in seeds]
             rows[name] = {"best_lr": float(lr), "best_loss": mean, "best_to_best": mean / a_best,
                           "best_to_best_seeds": [min(per_seed), max(per_seed)], "equal_lr": at_lr,
                           "spike_at_best": max(spikes_best), "spike_any_lr": max(spikes_all),
-                          "best_at_grid_edge": lr in (lrs[0], lrs[-1])}
+                          "best_at_grid_edge": lr in (mine[0], mine[-1])}
         out[t] = {"seeds": [int(s) for s in seeds], "adamw_best_lr": float(a_lr), "configs": rows}
     return out
 
@@ -297,12 +329,12 @@ def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
     :data:`SPIKE_TOLERANCE` of 1.0's)."""
     entries = []
     tasks = [t["name"] for t in doc["tasks"] if t["name"] in summary]
-    for c in doc["configs"]:
+    plain = [c for c in doc["configs"] if not c.get("warmup_steps") and not c.get("select_interval")]
+    for c in plain:
         if c["overlap"] is None or c["host_lr_scale"] == 1.0:
             continue
-        base = next((b["name"] for b in doc["configs"] if b["overlap"] == c["overlap"] and b["host_lr_scale"] == 1.0),
-                    None)
-        if base is None or not tasks:
+        base = next((b["name"] for b in plain if b["overlap"] == c["overlap"] and b["host_lr_scale"] == 1.0), None)
+        if base is None or not tasks or any(n not in summary[t]["configs"] for t in tasks for n in (c["name"], base)):
             continue
         rows = [summary[t]["configs"] for t in tasks]
         finite = all(run["loss"] is not None for t in tasks for by_seed in doc["runs"][t][c["name"]].values()
@@ -315,13 +347,29 @@ def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
             "ratio": [round(r[c["name"]]["best_loss"] / r[base]["best_loss"], 4) for r in rows],
             "equal_lr_worst": [round(max(_mean_loss(doc, t, c["name"], lr, summary[t]["seeds"])
                                          / _mean_loss(doc, t, base, lr, summary[t]["seeds"])
-                                         for lr in (f"{x:g}" for x in task["lrs"])), 4)
+                                         for lr in summary[t]["configs"][c["name"]]["equal_lr"]
+                                         if lr in summary[t]["configs"][base]["equal_lr"]), 4)
                                for t, task in ((t["name"], t) for t in doc["tasks"] if t["name"] in summary)],
             "stable": finite and not spiky, "tasks": tasks,
-            "source": f"bench/quality_fair.py, {doc['measured']['date']}: best held-out loss over lrs "
-                      f"{sorted({lr for t in doc['tasks'] for lr in t['lrs']})}, mean over seeds",
+            "source": f"bench/quality_fair.py, {_dates(doc)}: best held-out loss over lrs "
+                      f"{sorted({float(k) for t in tasks for k, v in doc['runs'][t][c['name']].items() if v})}, "
+                      "mean over seeds",
         })
     return entries
+
+
+def _added_where(a: dict) -> str:
+    parts = []
+    if a.get("lrs"):
+        parts.append(f" at lrs {', '.join(f'{x:g}' for x in a['lrs'])}")
+    if a.get("tasks"):
+        parts.append(f" on {', '.join(a['tasks'])}")
+    return "".join(parts)
+
+
+def _dates(doc: dict) -> str:
+    first, last = doc["measured"]["date"], ([a.get("date") for a in doc["measured"].get("added", [])] or [None])[-1]
+    return first if last in (None, first) else f"{first} to {last}"
 
 
 def render(doc: dict, summary: dict) -> str:
@@ -335,12 +383,14 @@ def render(doc: dict, summary: dict) -> str:
         f"- wall {m.get('wall_s', 0):.0f} s; load average (1 min) from {min(loads, default=0):.1f} to "
         f"{max(loads, default=0):.1f} over the run",
         f"- command: `{doc['command']}`",
-        *(f"- added {', '.join(a['configs'])}: {a.get('date')}, revision {a.get('revision')}, wall "
+        *(f"- added {', '.join(a['configs']) or 'runs'}{_added_where(a)}: {a.get('date')}, revision "
+          f"{a.get('revision')}, wall "
           f"{a.get('wall_s') or 0:.0f} s, load average {min(a.get('load_average') or [0]):.1f}-"
           f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
           for a in m.get("added", [])),
         f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
-        f"{doc['select_interval']}; batch {doc['batch']}, weight decay {doc['weight_decay']:g}",
+        f"{doc['select_interval']} (in a name, S=N: select_interval N; warm=N: warmup_steps N); batch {doc['batch']}, "
+        f"weight decay {doc['weight_decay']:g}",
         "- best-to-best: a configuration's lowest mean held-out loss over the lr grid / AdamW's, (min-max) over seeds "
         "of the per-seed ratio, each at its own best lr. Equal lr: mean (min-max) of the per-seed ratio at that lr. "
         "Spike: the smoothed training loss's largest relative rise above its running minimum after the first 10% "
@@ -361,7 +411,7 @@ def render(doc: dict, summary: dict) -> str:
                   "|---|---|---|---|" + "---|" * len(lrs) + "---|"]
         for name, r in s["configs"].items():
             lo, hi = r["best_to_best_seeds"]
-            cells = [f"{v[0]:.3f} ({v[1]:.3f}-{v[2]:.3f})" for v in (r["equal_lr"][k] for k in lrs)]
+            cells = [f"{v[0]:.3f} ({v[1]:.3f}-{v[2]:.3f})" if v else "-" for v in (r["equal_lr"].get(k) for k in lrs)]
             lines.append(f"| {name} | {r['best_lr']:g}{'*' if r['best_at_grid_edge'] else ''} | {r['best_loss']:.4f}"
                          f" | {r['best_to_best']:.3f} ({lo:.3f}-{hi:.3f}) | " + " | ".join(cells)
                          + f" | {r['spike_at_best']:.3f} / {r['spike_any_lr']:.3f} |")
@@ -379,17 +429,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-steps", type=int, default=1000)
-    parser.add_argument("--tasks", nargs="+", default=["finetune", "scratch", "long"])
+    parser.add_argument("--tasks", nargs="+", choices=["finetune", "scratch", "long"],
+                        help="default: all three (with --add-to: its tasks)")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
     parser.add_argument("--table", type=Path, metavar="QUALITY_JSON",
                         help="write the measured host_lr_scale entries into this quality table (the autotuner's; "
                              "with --report: from that JSON)")
+    parser.add_argument("--warmups", type=int, nargs="+", default=[0], help="warmup_steps values")
+    parser.add_argument("--select-intervals", type=int, nargs="+", default=[0],
+                        help="select_interval values (0: the default, 8 U)")
+    parser.add_argument("--overlaps", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--add-to", type=Path, metavar="JSON",
-                        help="measure only the ZenFlow configurations of --scales that JSON lacks, on its tasks, lrs "
-                             "and seeds, and write JSON plus them to --out (its AdamW runs are reused: they are "
-                             "deterministic, which one rerun checks)")
+                        help="measure only the runs of AdamW and the configurations given (--scales x --warmups x "
+                             "--select-intervals x --overlaps) that JSON lacks, on its seeds and on --tasks (default "
+                             "its tasks) at its lrs plus --add-lrs (or at --at-lrs only), and write JSON plus them to "
+                             "--out (its AdamW runs are reused: they are deterministic, which one rerun checks)")
+    parser.add_argument("--add-lrs", type=float, nargs="+", default=[], help="with --add-to: lrs added to the grid")
+    parser.add_argument("--at-lrs", type=float, nargs="+", help="with --add-to: run only at these lrs")
+    parser.add_argument("--skip-adamw", action="store_true",
+                        help="with --add-to: no AdamW runs at the new lrs (where its best is inside the old grid)")
     args = parser.parse_args(argv)
     if args.report is not None:
         doc = json.loads(args.report.read_text())
@@ -402,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     smoke = args.smoke or SMOKE
     task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps)
-                 if t.name in args.tasks]
+                 if args.tasks is None or t.name in args.tasks]
     seeds = args.seeds[:1] if smoke else args.seeds
     command = "nice -n 10 python bench/quality_fair.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
@@ -411,12 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
+    wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps])
     if args.add_to is not None:
-        doc = add_configs(json.loads(args.add_to.read_text()), configs(args.scales), command=command, save=save)
+        doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
+                       add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)
     else:
         # The long task runs fewer seeds: it costs 5x a short one.
         per_task = {t.name: seeds[:args.long_seeds] if t.name == "long" else seeds for t in task_list}
-        doc = measure(task_list=task_list, config_list=configs(args.scales), seeds=per_task,
+        doc = measure(task_list=task_list, config_list=wanted, seeds=per_task,
                       topk_ratio=args.topk_ratio, update_interval=args.update_interval, command=command, save=save,
                       progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(render(doc, summarize(doc)))
@@ -433,42 +495,65 @@ def _write_table(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 
-def add_configs(prev: dict, wanted: Sequence[Config], *, command: str,
-                save: Callable[[dict], None] | None = None) -> dict:
-    """``prev`` plus the configurations of ``wanted`` it lacks, measured on its tasks, lrs and seeds. AdamW is not
-    rerun (CPU, one thread: deterministic) except once, to check that it reproduces ``prev``."""
-    known = {c["name"] for c in prev["configs"]}
-    new = [c for c in wanted if c.name not in known and not c.is_adamw]
-    task_list = [Task(**dict(t, lrs=tuple(t["lrs"]))) for t in prev["tasks"]]
-    adamw = prev["configs"][0]["name"]
-    seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][f"{t.lrs[0]:g}"]) for t in task_list}
-    check_task = task_list[0]
-    check = measure(task_list=[check_task], config_list=[Config(adamw)],
-                    seeds={check_task.name: seeds[check_task.name][:1]}, topk_ratio=prev["topk_ratio"],
-                    update_interval=prev["update_interval"], command=command, progress=lambda m: None)
-    lr, seed = f"{check_task.lrs[0]:g}", str(seeds[check_task.name][0])
-    again = check["runs"][check_task.name][adamw][lr][seed]["loss"]
-    before = prev["runs"][check_task.name][adamw][lr][seed]["loss"]
+def add_runs(prev: dict, wanted: Sequence[Config], *, command: str, task_names: Sequence[str] | None = None,
+             add_lrs: Sequence[float] = (), at_lrs: Sequence[float] | None = None, adamw_runs: bool = True,
+             save: Callable[[dict], None] | None = None) -> dict:
+    """``prev`` plus the runs of ``wanted`` (and AdamW) it lacks, on its seeds: on ``task_names`` (default: all of
+    its tasks), whose lr grids gain ``add_lrs``, at ``at_lrs`` only if given. Configurations of ``prev`` not in
+    ``wanted`` are not run at the new lrs (the summary judges each at the lrs it has), nor is AdamW unless
+    ``adamw_runs``. AdamW's runs are reused (CPU, one thread: deterministic), which one rerun checks."""
+    names = task_names or [t["name"] for t in prev["tasks"]]
+    doc = json.loads(json.dumps(prev))
+    known = {c["name"] for c in doc["configs"]}
+    doc["configs"] += [dict(c.__dict__) for c in wanted if c.name not in known and not c.is_adamw]
+    for t in doc["tasks"]:
+        if t["name"] in names:
+            t["lrs"] = sorted(set(t["lrs"]) | {float(x) for x in add_lrs})
+        for c in doc["configs"]:
+            doc["runs"].setdefault(t["name"], {}).setdefault(c["name"], {})
+    task_list = [Task(**dict(t, lrs=tuple(t["lrs"]))) for t in doc["tasks"] if t["name"] in names]
+    adamw = doc["configs"][0]["name"]
+    old_lr = {t["name"]: f"{t['lrs'][0]:g}" for t in prev["tasks"]}
+    seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][old_lr[t.name]]) for t in task_list}
+    run_names = {c.name for c in wanted if adamw_runs or not c.is_adamw}
+    at = None if at_lrs is None else {f"{x:g}" for x in at_lrs}
+
+    def skip(task: str, config: str, lr: float, seed: int) -> bool:
+        key = f"{lr:g}"
+        return (config not in run_names or (at is not None and key not in at)
+                or str(seed) in doc["runs"][task][config].get(key, {}))
+
+    # AdamW reproduces: rerun its cheapest old cell (the first task without pretraining if any).
+    check_task = min(task_list, key=lambda t: (t.pretrain_steps > 0, t.steps))
+    lr, seed = old_lr[check_task.name], seeds[check_task.name][0]
+    check = measure(task_list=[dataclasses.replace(check_task, lrs=(float(lr),))], config_list=[Config(adamw)],
+                    seeds={check_task.name: [seed]}, topk_ratio=doc["topk_ratio"],
+                    update_interval=doc["update_interval"], command=command, progress=lambda m: None)
+    again = check["runs"][check_task.name][adamw][lr][str(seed)]["loss"]
+    before = prev["runs"][check_task.name][adamw][lr][str(seed)]["loss"]
     if again != before:
         raise RuntimeError(f"AdamW does not reproduce {before} ({again}): cannot reuse its runs")
-    doc = json.loads(json.dumps(prev))
-    doc["configs"] += [dict(c.__dict__) for c in new]
     doc["command"] = f"{prev['command']} && {command}"
-    added = {"configs": [c.name for c in new], "adamw_rerun_equal": True}
+    all_configs = [Config(**c) for c in doc["configs"]]
+    measured = [c.name for c in all_configs
+                if any(not skip(t.name, c.name, x, s) for t in task_list for x in t.lrs for s in seeds[t.name])]
+    added = {"configs": measured, "adamw_rerun_equal": True, "tasks": list(names),
+             "lrs": sorted({x for t in task_list for x in t.lrs if at is None or f"{x:g}" in at})}
     doc["measured"].setdefault("added", []).append(added)
 
     def merge(part: dict) -> None:
         for t, by_config in part["runs"].items():
             for name, runs in by_config.items():
-                doc["runs"][t][name] = runs
+                for k, by_seed in runs.items():
+                    doc["runs"][t][name].setdefault(k, {}).update(by_seed)
         added.update(revision=part["measured"]["revision"], date=part["measured"]["date"],
                      wall_s=part["measured"].get("wall_s"), load_average=part["measured"]["load_average"])
         if save is not None:
             save(doc)
 
-    measure(task_list=task_list, config_list=new, seeds=seeds, topk_ratio=prev["topk_ratio"],
-            update_interval=prev["update_interval"], command=command, save=merge,
-            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    measure(task_list=task_list, config_list=[c for c in all_configs if c.name in measured], seeds=seeds,
+            topk_ratio=doc["topk_ratio"], update_interval=doc["update_interval"], command=command, save=merge,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True), skip=skip)
     return doc
 
 
