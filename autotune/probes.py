@@ -28,19 +28,16 @@ import datetime
 import math
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from .host_probes import measure_host_adamw, measure_host_add, probe_hyperparams
 from .machine import host_description, machine_key
-from .profile import BandwidthCurve, CpuAdamwRates, DeviceOpRates, GpuInfo, HostAddRates, Profile
-
-if TYPE_CHECKING:
-    from zenflow_triton.kernels import AdamHyperparams
+from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
+from .timing import MiB, Progress, best_seconds, fmt_bytes, interleaved, say, spread_of
 
 __all__ = [
     "ProbeSettings",
@@ -53,18 +50,10 @@ __all__ = [
     "measure_gpu_memory",
 ]
 
-Progress = Callable[[str], None]
-
-MiB = 2**20
 # Bytes the AdamW probe streams per element: fp32 master, m, v read and written, fp32 grad read, bf16
 # snapshot written. Buffers are sized from it to be several times the last-level cache, so the rate is the
 # memory-bound one the optimizer sees on real models, not a cache-resident one.
 _ADAMW_BYTES_PER_ELEM = 3 * 4 * 2 + 4 + 2
-_ADAMW_COLS = 4096
-# Bytes the host add streams per element beyond the landed gradient: the fp32 sum read and written.
-_ADD_SUM_BYTES = 2 * 4
-# Landed gradient bytes per element, by landing dtype.
-_LANDING_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -106,7 +95,7 @@ class ProbeSettings:
     def describe(self) -> str:
         """What a run with these settings measures, in a line (the CLI prints it, so quick and full differ visibly)."""
         sizes = sorted(self.copy_sizes)
-        span = _fmt_bytes(sizes[0]) + (f"-{_fmt_bytes(sizes[-1])}" if len(sizes) > 1 else "")
+        span = fmt_bytes(sizes[0]) + (f"-{fmt_bytes(sizes[-1])}" if len(sizes) > 1 else "")
         threads = ("every thread count" if self.thread_counts is None and not self.quick else
                    "a spread of thread counts" if self.thread_counts is None else
                    f"{', '.join(map(str, self.thread_counts))} threads")
@@ -131,63 +120,6 @@ class ProbeSettings:
         return s
 
 
-# ---------------------------------------------------------------------------------------------- timing
-
-
-def _spread(times: Sequence[float]) -> float:
-    """The median time over the best, minus one: 0.04 means the typical repeat ran 4% slower than the best.
-
-    The median, not the slowest: the slowest of n repeats grows with n, so a full run (more repeats) would look
-    noisier than a quick one on the same calm machine.
-    """
-    best = min(times)
-    return statistics.median(times) / best - 1 if best > 0 else 0.0
-
-
-def _timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
-                  spread: dict[str, float] | None = None, name: str = "") -> float:
-    times = _timed(fn, repeats, warmup)
-    if spread is not None:
-        spread[name] = _spread(times)
-    # The best time: it measures what the hardware can do. Other processes on the machine only ever slow a run
-    # down, and on a shared machine they did so by 2-4x at random moments of a few milliseconds (2-core CI VM,
-    # load average 5): the median of a handful of short calls followed the neighbours, not the hardware.
-    return min(times)
-
-
-def _interleaved(fns: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
-    """Times of ``repeats`` rounds, each calling every function once (after one untimed warm-up round)."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(max(1, repeats)):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - start)
-    return times
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / 1024:g} KiB"
-
-
-def _say(progress: Progress | None, msg: str) -> None:
-    if progress is not None:
-        progress(msg)
-
-
 # ------------------------------------------------------------------------------------------- bandwidth
 
 
@@ -204,14 +136,14 @@ def measure_memcpy(sizes: Sequence[int], *, repeats: int = 3, progress: Progress
     src.fill_(1)
     dst.copy_(src)  # first touch: page faults belong to allocation, not to copying
     ordered = sorted(sizes)
-    times = _interleaved([lambda n=n: dst[:n].copy_(src[:n]) for n in ordered], repeats)
+    times = interleaved([lambda n=n: dst[:n].copy_(src[:n]) for n in ordered], repeats)
     points = []
     for n, ts in zip(ordered, times):
-        t = min(ts)  # the best, as _best_seconds
+        t = min(ts)  # the best, as best_seconds
         points.append((int(n), n / t))
         if spread is not None:
-            spread[f"memcpy {_fmt_bytes(n)}"] = _spread(ts)
-        _say(progress, f"memcpy {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread {_spread(ts):.0%} over "
+            spread[f"memcpy {fmt_bytes(n)}"] = spread_of(ts)
+        say(progress, f"memcpy {fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread {spread_of(ts):.0%} over "
                        f"{len(ts)} repeats)")
     return BandwidthCurve(kind="memcpy", points=tuple(points))
 
@@ -252,12 +184,12 @@ def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.
             end.synchronize()
             if i:  # the first copy pays for mapping and driver warm-up
                 times.append(start.elapsed_time(end) / 1e3)
-        t = min(times)  # best of the repeats, as _best_seconds
+        t = min(times)  # best of the repeats, as best_seconds
         points.append((int(n), n / t))
         if spread is not None:
-            spread[f"PCIe {name.upper()} {_fmt_bytes(n)}"] = _spread(times)
-        _say(progress, f"PCIe {name.upper()} pinned {_fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread "
-                       f"{_spread(times):.0%} over {len(times)} repeats)")
+            spread[f"PCIe {name.upper()} {fmt_bytes(n)}"] = spread_of(times)
+        say(progress, f"PCIe {name.upper()} pinned {fmt_bytes(n)}: {n / t / 1e9:.2f} GB/s (spread "
+                       f"{spread_of(times):.0%} over {len(times)} repeats)")
     return BandwidthCurve(kind=f"pcie-{name}", points=tuple(points))
 
 
@@ -283,19 +215,12 @@ def measure_gpu_memory(
                 times.append(start.elapsed_time(end) / 1e3)
     bw = 2 * nbytes / min(times)
     if spread is not None:
-        spread["device copy"] = _spread(times)
-    _say(progress, f"{name}: {bw / 1e9:.0f} GB/s device copy, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+        spread["device copy"] = spread_of(times)
+    say(progress, f"{name}: {bw / 1e9:.0f} GB/s device copy, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     return name, int(total), int(free), bw
 
 
-# -------------------------------------------------------------------------------------------- host AdamW
-
-
-def _probe_hyperparams() -> AdamHyperparams:
-    """Typical fine-tuning values; the kernels' speed does not depend on them."""
-    from zenflow_triton.kernels import AdamHyperparams
-
-    return AdamHyperparams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+# ------------------------------------------------------------------------------------- host probe sizes
 
 
 def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
@@ -315,105 +240,6 @@ def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
     return sorted(counts)
 
 
-def measure_host_adamw(
-    *,
-    numel: int,
-    thread_counts: Sequence[int],
-    repeats: int = 3,
-    grad_dtypes: Sequence[str] = ("float32", "bfloat16"),
-    progress: Progress | None = None,
-    spread: dict[str, float] | None = None,
-    durations: dict[str, float] | None = None,
-) -> CpuAdamwRates:
-    """Params/s of the host AdamW kernel at each thread count and landing dtype (bf16 snapshot written).
-
-    Uses ``kernels.cpu_adamw`` (numba); falls back to ``kernels.reference`` (torch threads) if that cannot be
-    imported. The first call may compile the numba kernel (cached on disk afterwards). ``spread``, when given,
-    receives each rate's spread (``"host AdamW float32 2 threads"``), ``durations`` the seconds spent compiling
-    (``"compile"``), which a first run pays and later runs do not.
-    """
-    from zenflow_triton.host_memory import HostSlab
-
-    try:
-        from zenflow_triton.kernels.cpu_adamw import host_adamw_
-
-        kernel = "numba"
-    except ImportError:
-        from zenflow_triton.kernels.reference import host_adamw_
-
-        kernel = "torch-reference"
-    rows = max(1, -(-numel // _ADAMW_COLS))
-    cols = _ADAMW_COLS if numel >= _ADAMW_COLS else numel
-    shape = (rows, cols)
-    slab = HostSlab([(shape, torch.float32)] * 4 + [(shape, torch.bfloat16)] * 2, pin=False)
-    master, exp_avg, exp_avg_sq, grad32, grad16, snapshot = slab.views
-    master.fill_(0.5)
-    exp_avg.zero_()
-    exp_avg_sq.zero_()
-    grad32.fill_(1e-3)
-    grad16.fill_(1e-3)
-    slot = torch.full((cols,), -1, dtype=torch.int32)  # every column is the host's, as with topk_ratio=0
-    col_step = torch.full((cols,), 10, dtype=torch.int32)
-    hp = _probe_hyperparams()
-
-    big = (master, exp_avg, exp_avg_sq, snapshot, slot, col_step)
-
-    def call(grad: torch.Tensor, threads: int, bufs: tuple[torch.Tensor, ...]) -> None:
-        m, v, s, snap, sl, cs = bufs
-        # count=4: a window's gradient is a sum, so the division path is the one that runs in practice.
-        kwargs = dict(count=4, slot=sl, col_step=cs, hp=hp, snapshot=snap)
-        if kernel == "numba":
-            host_adamw_(m, v, s, grad, num_threads=threads, **kwargs)
-        else:
-            host_adamw_(m, v, s, grad, **kwargs)
-
-    # Compile (or load from numba's disk cache) both specializations first, so no timing below includes it.
-    tiny = (torch.zeros(1, 64), torch.zeros(1, 64), torch.zeros(1, 64), torch.zeros(1, 64, dtype=torch.bfloat16),
-            torch.full((64,), -1, dtype=torch.int32), torch.ones(64, dtype=torch.int32))
-    tiny_grads = {"float32": torch.zeros(1, 64), "bfloat16": torch.zeros(1, 64, dtype=torch.bfloat16)}
-    start = time.perf_counter()
-    for dt in grad_dtypes:
-        call(tiny_grads[dt], 1, tiny)
-    compile_s = time.perf_counter() - start
-    if durations is not None:
-        durations["compile"] = compile_s
-    if compile_s > 0.5:
-        _say(progress, f"host AdamW ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
-
-    def at(grad: torch.Tensor, threads: int) -> None:
-        if kernel != "numba":
-            torch.set_num_threads(threads)
-        call(grad, threads, big)
-
-    rates: dict[str, dict[int, float]] = {}
-    overhead: dict[int, float] = {}
-    total = rows * cols
-    torch_threads = torch.get_num_threads()
-    try:
-        for t in thread_counts:
-            if kernel != "numba":
-                torch.set_num_threads(t)
-            # Fixed per-call cost (checks, column plan, waking t threads), paid once per parameter per window.
-            overhead[int(t)] = _best_seconds(lambda t=t: call(tiny_grads["float32"], t, tiny), repeats=10, warmup=2)
-        for dt in grad_dtypes:
-            grad = grad32 if dt == "float32" else grad16
-            rates[dt] = {}
-            # Rounds over the thread counts: the repeats of one count lie a whole round apart.
-            times = _interleaved([lambda t=t, g=grad: at(g, t) for t in thread_counts], repeats)
-            for t, ts in zip(thread_counts, times):
-                sec = min(ts)
-                rates[dt][int(t)] = total / sec
-                if spread is not None:
-                    spread[f"host AdamW {dt} {t} threads"] = _spread(ts)
-                _say(progress, f"host AdamW ({kernel}) {dt} grad, {t} thread(s): {total / sec / 1e6:.0f} M params/s "
-                               f"(spread {_spread(ts):.0%} over {len(ts)} repeats)")
-    finally:
-        torch.set_num_threads(torch_threads)
-    _say(progress, "host AdamW call overhead: " + ", ".join(f"{t} thread(s) {s * 1e6:.0f} us"
-                                                            for t, s in overhead.items()))
-    return CpuAdamwRates(kernel=kernel, numel=total, rates=rates, call_overhead_s=overhead)
-
-
 def _add_numels(settings: ProbeSettings, llc: int) -> list[int]:
     if settings.add_numels is not None:
         return sorted(set(settings.add_numels))
@@ -424,92 +250,6 @@ def _add_numels(settings: ProbeSettings, llc: int) -> list[int]:
     big = max(floor, multiple * llc // 8)
     sizes = {1 << 16, 1 << 20, big} if settings.quick else {1 << 16, 1 << 18, 1 << 20, 1 << 22, big}
     return sorted(n for n in sizes if n <= big)
-
-
-def measure_host_add(
-    *,
-    numels: Sequence[int],
-    thread_counts: Sequence[int],
-    repeats: int = 5,
-    landings: Sequence[str] = ("float32", "bfloat16"),
-    progress: Progress | None = None,
-    spread: dict[str, float] | None = None,
-    durations: dict[str, float] | None = None,
-) -> HostAddRates:
-    """Bytes streamed per second by accumulate="host"'s add (``kernels.host_accumulate``: fp32 ``sum += g``), at each
-    landing dtype, thread count and size in ``numels``. A call of n elements streams ``n * (8 + landing bytes)``
-    (the sum read and written, the landed gradient read).
-
-    Uses the numba kernel the optimizer's adder runs, with the adder's ``num_threads``; falls back to
-    ``kernels.reference`` (torch) where numba cannot be imported. Every (dtype, threads, size) is timed once per
-    round, ``repeats`` rounds after a warm-up round; the best time of each goes into its curve and its spread into
-    ``spread`` (``"host add float32 2 threads 1 MiB"``, the size in bytes of the fp32 sum); ``durations`` receives
-    the seconds spent compiling (``"compile_add"``).
-    """
-    from zenflow_triton.host_memory import HostSlab
-
-    try:
-        from zenflow_triton.kernels.host_accumulate import host_accumulate_
-
-        kernel = "numba"
-    except ImportError:
-        from zenflow_triton.kernels.reference import host_accumulate_
-
-        kernel = "torch-reference"
-    sizes = sorted({int(n) for n in numels})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"Invalid host add sizes: {numels!r}")
-    top = sizes[-1]
-    slab = HostSlab([((top,), torch.float32), ((top,), torch.float32), ((top,), torch.bfloat16)], pin=False)
-    total, grad32, grad16 = slab.views
-    total.zero_()
-    grad32.fill_(1e-3)  # the sum stays finite over any number of rounds
-    grad16.fill_(1e-3)
-    grads = {"float32": grad32, "bfloat16": grad16}
-
-    def call(dt: str, threads: int, n: int) -> None:
-        if kernel == "numba":
-            host_accumulate_(total[:n], grads[dt][:n], accumulate=True, num_threads=threads)
-        else:
-            host_accumulate_(total[:n], grads[dt][:n], accumulate=True)
-
-    start = time.perf_counter()
-    for dt in landings:  # compile (or load from numba's disk cache) the serial and parallel specializations
-        call(dt, 1, 1)
-        call(dt, max(thread_counts), top)
-    compile_s = time.perf_counter() - start
-    if durations is not None:
-        durations["compile_add"] = compile_s
-    if compile_s > 0.5:
-        _say(progress, f"host add ({kernel}): compiled in {compile_s:.1f} s (cached for later runs)")
-
-    keys = [(dt, int(t), n) for dt in landings for t in thread_counts for n in sizes]
-    torch_threads = torch.get_num_threads()
-
-    def timed(dt: str, t: int, n: int) -> None:
-        if kernel != "numba":
-            torch.set_num_threads(t)
-        call(dt, t, n)
-
-    try:
-        # Rounds over every (dtype, threads, size): the repeats of one figure lie a whole round apart.
-        times = _interleaved([lambda k=k: timed(*k) for k in keys], repeats)
-    finally:
-        torch.set_num_threads(torch_threads)
-    points: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    for (dt, t, n), ts in zip(keys, times):
-        nbytes = n * (_ADD_SUM_BYTES + _LANDING_BYTES[dt])
-        points.setdefault(dt, {}).setdefault(t, []).append((nbytes, nbytes / min(ts)))
-        if spread is not None:
-            spread[f"host add {dt} {t} threads {_fmt_bytes(4 * n)}"] = _spread(ts)
-    curves = {dt: {t: BandwidthCurve(kind=f"host-add-{dt}", points=tuple(pts)) for t, pts in tab.items()}
-              for dt, tab in points.items()}
-    for dt, tab in curves.items():
-        for t, curve in tab.items():
-            _say(progress, f"host add ({kernel}) {dt} landing, {t} thread(s): "
-                           + ", ".join(f"{_fmt_bytes(4 * n)} sum {bw / 1e9:.1f} GB/s"
-                                       for n, (_, bw) in zip(sizes, curve.points)))
-    return HostAddRates(kernel=kernel, curves=curves)
 
 
 def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress | None = None,
@@ -541,7 +281,7 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     score = torch.zeros(cols)
     col_step = torch.full((cols,), 10, dtype=torch.int32)
     unselected = torch.full((cols,), -1, dtype=torch.int32)
-    hp = _probe_hyperparams()
+    hp = probe_hyperparams()
 
     def call(k: int, with_acc: bool = True) -> Callable[[], object]:
         slot = torch.arange(cols, dtype=torch.int32) if k else unselected
@@ -554,21 +294,21 @@ def measure_cpu_device_ops(*, numel: int, repeats: int = 3, progress: Progress |
     # interleaved rounds: their difference is small on CPU tensors (the numba pass on the 2-core VM: 7.99 against
     # 7.78 ms on a [2048, 1024] gradient, best of 15 interleaved), so timed one after the other, load decided it
     # (235 against 394 M elem/s at load 4.7).
-    both = _interleaved([call(0), call(0, with_acc=False)], repeats)
+    both = interleaved([call(0), call(0, with_acc=False)], repeats)
     for name, ts in zip(("device pass", "device pass without acc"), both):
         if spread is not None:
-            spread[name] = _spread(ts)
+            spread[name] = spread_of(ts)
     t_pass, t_pass_no_acc = (min(ts) for ts in both)
-    t_all = _best_seconds(call(cols), repeats, spread=spread, name="device pass + Adam")
+    t_all = best_seconds(call(cols), repeats, spread=spread, name="device pass + Adam")
     # Noise can make the difference tiny or negative; never let it claim Adam is free.
     t_adam = max(t_all - t_pass, 0.05 * t_pass)
-    t_merge = _best_seconds(lambda: reference.merge_(param, acc, unselected), repeats, spread=spread,
+    t_merge = best_seconds(lambda: reference.merge_(param, acc, unselected), repeats, spread=spread,
                             name="device merge")
     threads = "" if backend != "reference" else f", {torch.get_num_threads()} torch threads"
     rates = DeviceOpRates(source=f"measured: {backend} on CPU tensors{threads}",
                           pass_rate=n / t_pass, adam_rate=n / t_adam, merge_rate=n / t_merge,
                           pass_no_acc_rate=n / t_pass_no_acc)
-    _say(progress, f"CPU-tensor device step ({backend}): pass {rates.pass_rate / 1e6:.0f} M elem/s "
+    say(progress, f"CPU-tensor device step ({backend}): pass {rates.pass_rate / 1e6:.0f} M elem/s "
                    f"({rates.pass_no_acc_rate / 1e6:.0f} without acc), "
                    f"Adam {rates.adam_rate / 1e6:.0f} M elem/s, merge {rates.merge_rate / 1e6:.0f} M elem/s")
     return rates
@@ -594,14 +334,14 @@ def probe_machine(
     host = host_description()
     cores = int(host["cpu_cores"])  # type: ignore[call-overload]
     llc = int(host["llc_bytes"])  # type: ignore[call-overload]
-    _say(progress, f"host: {host['cpu_model']}, {cores} cores, last-level cache {_fmt_bytes(llc)}")
+    say(progress, f"host: {host['cpu_model']}, {cores} cores, last-level cache {fmt_bytes(llc)}")
 
     gpu: GpuInfo | None = None
     gpu_unavailable: str | None = None
     cuda_device: torch.device | None = None
     if not torch.cuda.is_available():
         gpu_unavailable = "CUDA is not available (torch.cuda.is_available() is False): no GPU or PCIe figures"
-        _say(progress, f"GPU: unavailable: {gpu_unavailable}")
+        say(progress, f"GPU: unavailable: {gpu_unavailable}")
     else:
         cuda_device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if cuda_device.type != "cuda":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zenflow_triton.autotune import machine, probes
+from zenflow_triton.autotune import host_probes, machine, probes, timing
 from zenflow_triton.autotune.cache import load_profile, save_profile
 from zenflow_triton.autotune.probes import ProbeSettings, probe_machine
 
@@ -29,7 +29,7 @@ def test_memcpy_curve_is_positive_and_labelled():
 
 def test_host_adamw_rates_cover_both_landing_dtypes_and_each_thread_count():
     messages: list[str] = []
-    rates = probes.measure_host_adamw(numel=1 << 14, thread_counts=[1, 2], repeats=1, progress=messages.append)
+    rates = host_probes.measure_host_adamw(numel=1 << 14, thread_counts=[1, 2], repeats=1, progress=messages.append)
     assert rates.kernel in ("numba", "torch-reference")
     assert set(rates.rates) == {"float32", "bfloat16"}
     assert all(set(tab) == {1, 2} and min(tab.values()) > 0 for tab in rates.rates.values())
@@ -50,7 +50,7 @@ def test_host_add_curves_cover_each_landing_thread_count_and_size():
     messages: list[str] = []
     spread: dict[str, float] = {}
     durations: dict[str, float] = {}
-    rates = probes.measure_host_add(numels=[1 << 16, 1 << 10], thread_counts=[1, 2], repeats=2,
+    rates = host_probes.measure_host_add(numels=[1 << 16, 1 << 10], thread_counts=[1, 2], repeats=2,
                                     progress=messages.append, spread=spread, durations=durations)
     assert rates.kernel in ("numba", "torch-reference")
     assert set(rates.curves) == {"float32", "bfloat16"}
@@ -66,7 +66,7 @@ def test_host_add_curves_cover_each_landing_thread_count_and_size():
     assert durations["compile_add"] >= 0
     assert any("host add" in m and "GB/s" in m for m in messages)
     with pytest.raises(ValueError, match="sizes"):
-        probes.measure_host_add(numels=[0], thread_counts=[1])
+        host_probes.measure_host_add(numels=[0], thread_counts=[1])
 
 
 def test_default_add_sizes_reach_beyond_the_cache():
@@ -123,10 +123,10 @@ def test_probe_machine_with_a_gpu(tiny_profile):
 
 
 def test_spread_is_the_median_repeat_over_the_best():
-    assert probes._spread([1.0, 1.1, 2.0]) == pytest.approx(0.1)
-    assert probes._spread([2.0, 2.0]) == 0.0
+    assert timing.spread_of([1.0, 1.1, 2.0]) == pytest.approx(0.1)
+    assert timing.spread_of([2.0, 2.0]) == 0.0
     # The slowest repeat does not decide it: more repeats on a calm machine must not read as noisier.
-    assert probes._spread([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0
+    assert timing.spread_of([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0
 
 
 def test_every_figure_records_its_spread_and_the_repeats(tiny_profile):
@@ -149,7 +149,7 @@ def test_every_figure_records_its_spread_and_the_repeats(tiny_profile):
 
 def test_interleaved_repeats_run_every_function_each_round():
     calls: list[str] = []
-    times = probes._interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
+    times = timing.interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
     assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds
     assert [len(t) for t in times] == [3, 3]
 
