@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from . import retune
 from .columns import matrix_shape
+from .params import check_group
 from .sharding import is_sharded, to_local_rows, to_saved
 from .state import OffloadedParam, load_resident
 
@@ -385,3 +387,48 @@ def split_plan(plan: Sequence[tuple[Any, Mapping[str, Any], bool | None]]) -> tu
         else:
             new_state[p] = load_resident(p, saved)
     return offloaded, new_state
+
+
+def restore(opt: Any, state_dict: Mapping[str, Any]) -> None:
+    """The body of ``ZenFlowAdamW.load_state_dict`` between its hooks, once host work is quiescent: check
+    everything (:func:`plan_load`), allocate and fill all the new state (``opt``'s pipeline stages it), and only then
+    change the optimizer: knobs, schedule, group values, state. On an error nothing has changed."""
+    zenflow, plan = plan_load(
+        state_dict, param_groups=opt.param_groups,
+        check_group=lambda g, where: check_group({**opt.defaults, **g}, decoupled=opt._decoupled, where=where),
+        offloads=opt._offloads, min_offload_numel=opt.config.min_offload_numel, knobs=opt._knobs,
+    )
+    # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
+    # exists, so running out of host or device memory here leaves them as they were.
+    offloaded, new_state = split_plan(plan)
+    loaded = opt._pipeline.stage_load(offloaded)
+    group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
+                    for sg in state_dict["param_groups"]]
+    # Nothing below raises or allocates.
+    if zenflow is not None:
+        retune.load_knobs(opt._knobs, zenflow)
+        opt._schedule.step = schedule_step(zenflow, plan)
+    else:
+        # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
+        # selection at the next step), while every column's bias correction continues from AdamW's count.
+        opt._schedule.step = 0
+    for g, values in zip(opt.param_groups, group_values):
+        g.update(values)
+    opt.state.clear()
+    opt.state.update(new_state)
+    opt._pipeline.commit_load(loaded, opt.state)
+
+
+def pickled(opt: Any) -> dict[str, Any]:
+    """What ``copy.deepcopy`` and pickle keep of an optimizer: the constructor's arguments and a ``state_dict()``.
+    Hooks are not kept, as in torch, except grads_in_backward's own (the copy hooks its parameters); gradients
+    captured since the last step are not copied."""
+    return {"defaults": opt.defaults, "param_groups": opt.param_groups, "config": opt.config.to_dict(),
+            "saved": opt.state_dict()}
+
+
+def unpickle(opt: Any, state: Mapping[str, Any]) -> None:
+    """Rebuild ``opt`` (uninitialized, of the pickled class) from :func:`pickled`'s dict."""
+    groups = [dict(g) for g in state["param_groups"]]
+    type(opt).__init__(opt, groups, **{**state["defaults"], **state["config"]})
+    opt.load_state_dict(state["saved"])

@@ -1,10 +1,7 @@
 """ZenFlowAdamW / ZenFlowAdam: drop-in ``torch.optim`` optimizers with ZenFlow offloading (DESIGN §2-§5).
 
-Offloaded parameters (ndim >= 2, numel >= min_offload_numel) keep fp32 master weights and Adam moments in
-host memory. Each step the top-k columns by accumulated gradient norm are updated on the device; the
-other columns' gradients are summed on the device and applied by the host worker once per window of
-``update_interval`` steps, asynchronously when ``overlap=True``. Every other parameter gets plain AdamW
-on its device, as ``torch.optim.AdamW`` would do.
+Offloaded matrices keep fp32 master weights and Adam moments in host memory: their top-k columns step on the device
+every step, the rest on the host once per window (DESIGN §1); every other parameter gets plain AdamW on its device.
 
 This module is the ``torch.optim`` shell and the schedule of DESIGN §3 (:meth:`ZenFlowAdamW._offloaded_step`). The
 rest is in rooms of its own: :mod:`.pipeline` (host windows: worker, copies, merge), :mod:`.state` (the state's
@@ -14,10 +11,9 @@ layout), :mod:`.columns` (selection and migration), :mod:`.auto` ("auto" knobs) 
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +29,10 @@ from .host_jobs import Window
 from .kernels import AdamHyperparams, FusedStepArgs, load_device_ops
 from .params import (
     check_betas_pair,
-    check_group,
     check_new_group,
     check_unchanged,
     gather_step,
+    hp_lookup,
     hyperparams,
     offloads,
     warn_kept_resident,
@@ -44,7 +40,7 @@ from .params import (
 from .pipeline import Pipeline
 from .sharding import add_summed_scores_, local
 from .state import init_resident, step_resident_
-from .telemetry import Stats
+from .telemetry import Stats, stats_of
 
 __all__ = ["ZenFlowAdamW", "ZenFlowAdam", "AUTO_WARMUP_STEPS"]
 
@@ -226,30 +222,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 state_dict = result
         with self._pipeline.deferred_interrupts():
             self._pipeline.wait(self.state, merge=False)
-        zenflow, plan = checkpoint.plan_load(
-            state_dict, param_groups=self.param_groups,
-            check_group=lambda g, where: check_group({**self.defaults, **g}, decoupled=self._decoupled, where=where),
-            offloads=self._offloads, min_offload_numel=self.config.min_offload_numel, knobs=self._knobs,
-        )
-        # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
-        # exists, so running out of host or device memory here leaves them as they were.
-        offloaded, new_state = checkpoint.split_plan(plan)
-        loaded = self._pipeline.stage_load(offloaded)
-        group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
-                        for sg in state_dict["param_groups"]]
-        # Nothing below raises or allocates.
-        if zenflow is not None:
-            retune.load_knobs(self._knobs, zenflow)
-            self._schedule.step = checkpoint.schedule_step(zenflow, plan)
-        else:
-            # torch.optim.AdamW's: the knobs stay this optimizer's and its schedule starts over (warm-up, then a
-            # selection at the next step), while every column's bias correction continues from AdamW's count.
-            self._schedule.step = 0
-        for g, values in zip(self.param_groups, group_values):
-            g.update(values)
-        self.state.clear()
-        self.state.update(new_state)
-        self._pipeline.commit_load(loaded, self.state)
+        checkpoint.restore(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -285,7 +258,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         check_unchanged(self.param_groups, self.state, pipeline.records)
         with pipeline.deferred_interrupts():
             pipeline.rehome(self.state)
-            windows = pipeline.open_windows(self.state, self._hp_of({}))
+            windows = pipeline.open_windows(self.state, hp_lookup(self.param_groups, {}, decoupled=self._decoupled))
             if windows:
                 # Warm-up windows end at every step, so an open one here is past warm-up: host_lr_scale applies.
                 pipeline.end_windows(windows, self.state, sync=True, cpu_threads=self._knobs.resolved.cpu_threads,
@@ -310,18 +283,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._capture.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        """What ``copy.deepcopy`` and pickle keep: the constructor's arguments and a ``state_dict()``; the copy is
-        a working optimizer of its own (its own worker and host memory) over the copied parameters. Hooks are not
-        kept, as in torch, except grads_in_backward's own (the copy hooks its parameters); gradients captured since the
-        last step are not copied."""
-        return {"defaults": self.defaults, "param_groups": self.param_groups, "config": self.config.to_dict(),
-                "saved": self.state_dict()}
+        """``copy.deepcopy`` and pickle give a working optimizer of its own (its own worker and host memory) over the
+        copied parameters, from the constructor's arguments and a ``state_dict()`` (:func:`.checkpoint.pickled`)."""
+        return checkpoint.pickled(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        groups = [dict(g) for g in state["param_groups"]]
-        kwargs = {**state["defaults"], **state["config"]}
-        type(self).__init__(self, groups, **kwargs)
-        self.load_state_dict(state["saved"])
+        checkpoint.unpickle(self, state)
 
     def __enter__(self) -> ZenFlowAdamW:
         return self
@@ -332,29 +299,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def stats(self) -> dict[str, Any]:
         """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
         sizes in bytes."""
-        s = self._stats
-        return {**self._pipeline.report(self.state, self._capture.device_bytes(self._pipeline.records)),
-                **s.per_step(), **self._knobs.state_dict(), **self._knobs.report(s), **self._gradients.report(),
-                "grads_in_backward": self.config.grads_in_backward}
+        return stats_of(self)
 
     # ------------------------------------------------------------------ the step
 
     def _offloads(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is (or, stepping first, will be) offloaded (:func:`.params.offloads`)."""
         return p in self._pipeline.records or offloads(p, self.config.min_offload_numel)
-
-    def _hp_of(self, known: Mapping[torch.Tensor, tuple[AdamHyperparams, ...]]) -> Callable[[torch.Tensor], Any]:
-        """A parameter's hyperparameters now: from ``known`` (this step's), else from its group (looked up once)."""
-        groups: dict[torch.Tensor, dict[str, Any]] = {}
-
-        def hp_of(p: torch.Tensor) -> AdamHyperparams:
-            if p in known:
-                return known[p][0]
-            if not groups:
-                groups.update({q: g for g in self.param_groups for q in g["params"]})
-            return hyperparams(groups[p], decoupled=self._decoupled)
-
-        return hp_of
 
     def _prepare_step(
         self,
@@ -389,8 +340,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ops = pipeline.device_ops(device)
         warmup = knobs.warmup
         tau = self._schedule.step - warmup
-        if not knobs.ready and tau >= 1:
-            self._plan_auto()
+        if not knobs.ready and tau >= 1:  # "auto" knobs are planned after warm-up, from its measured step time
+            knobs.resolve(offloaded_shapes=[(rec.rows, rec.cols) for rec in records.values()],
+                          param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"),
+                          accumulate=pipeline.accumulate or "device")
+            self._stats.mark_plan()
         cfg = knobs.resolved
         interval, select = cfg.update_interval, cfg.select_interval
         selecting = tau >= 1 and (tau - 1) % select == 0
@@ -481,18 +435,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if window_end:
             # Step 5 (warm-up: every element, synchronously): the host applies each window's mean gradient to the
             # unselected columns, also for parameters whose window holds gradients of earlier steps only.
-            for w in pipeline.open_windows(self.state, self._hp_of(unique), skip=windows):
+            hp_of = hp_lookup(self.param_groups, unique, decoupled=self._decoupled)
+            for w in pipeline.open_windows(self.state, hp_of, skip=windows):
                 windows[w.param] = w
         if windows:
             pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads,
                                  lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
-
-    def _plan_auto(self) -> None:
-        records = self._pipeline.records
-        self._knobs.resolve(offloaded_shapes=[(rec.rows, rec.cols) for rec in records.values()],
-                            param_dtype=next(iter(records)).dtype, device=self._device or torch.device("cpu"),
-                            accumulate=self._pipeline.accumulate or "device")
-        self._stats.mark_plan()
 
 
 class ZenFlowAdam(ZenFlowAdamW):

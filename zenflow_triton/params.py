@@ -14,7 +14,7 @@ from .kernels import MODEL_DTYPES, AdamHyperparams
 from .sharding import check_placement, local
 
 __all__ = ["META_HINT", "check_betas_pair", "check_grad", "check_group", "check_new_group", "check_param",
-           "check_unchanged", "describe", "gather_step", "hyperparams", "offloads", "warn_kept_resident"]
+           "check_unchanged", "describe", "gather_step", "hp_lookup", "hyperparams", "offloads", "warn_kept_resident"]
 
 logger = logging.getLogger("zenflow_triton")
 
@@ -269,3 +269,19 @@ def gather_step(
                 if new:
                     fresh_resident.append(p)
     return resident, offloaded, fresh, fresh_resident, device
+
+
+def hp_lookup(param_groups: Sequence[Mapping[str, Any]], known: Mapping[torch.Tensor, tuple[AdamHyperparams, ...]],
+              *, decoupled: bool) -> Callable[[torch.Tensor], AdamHyperparams]:
+    """A parameter's hyperparameters now: from ``known`` (this step's, validated), else from its group (the groups
+    indexed once, on the first parameter not in ``known``)."""
+    groups: dict[torch.Tensor, Mapping[str, Any]] = {}
+
+    def hp_of(p: torch.Tensor) -> AdamHyperparams:
+        if p in known:
+            return known[p][0]
+        if not groups:
+            groups.update({q: g for g in param_groups for q in g["params"]})
+        return hyperparams(groups[p], decoupled=decoupled)
+
+    return hp_of

@@ -193,27 +193,6 @@ class Pipeline:
         buffers += [self._bf16_landing] + (self._sums.buffers() if self._sums is not None else [])
         return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
-    def report(self, state: State | None = None, extra_device_bytes: int = 0) -> dict[str, Any]:
-        """The pipeline's part of ``ZenFlowAdamW.stats()`` (DESIGN §7). Host bytes are this process's (a sharded
-        parameter's rows here); ``offloaded_params`` counts whole parameters."""
-        records, slabs = self.records, self.slabs
-        total_cols = sum(rec.cols for rec in records.values())
-        selected_cols = sum(rec.cols - rec.masks.num_unselected for rec in records.values())
-        local_numel = sum(rec.rows * rec.cols for rec in records.values())
-        host_bytes = sum(slab.nbytes for slab in slabs)
-        return {
-            **self.stats.counters(),
-            "selected_fraction": selected_cols / total_cols if total_cols else 0.0,
-            "pinned_bytes": sum(slab.nbytes for slab in slabs if slab.pinned),
-            "host_bytes": host_bytes,
-            "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
-            "offloaded_params": sum(p.numel() for p in records),
-            "accumulate": self.accumulate,
-            "accumulate_reason": self.accumulate_reason,
-            "device_bytes_per_param": ((self.device_bytes(state) + extra_device_bytes) / local_numel
-                                       if state is not None and local_numel else 0.0),
-        }
-
     # ------------------------------------------------------------------ host state
 
     def add(self, params: Sequence[torch.Tensor], state: State) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "stats_of"]
 
 
 @dataclass
@@ -63,3 +63,30 @@ class Stats:
         else:
             self.selected_energy_fraction = energy_sel / energy_all if energy_all > 0 else float("nan")
         self.columns_changed_last_selection = sum(sel.columns_changed for sel in picks)
+
+
+def stats_of(opt: Any) -> dict[str, Any]:
+    """``ZenFlowAdamW.stats()`` (every key in README's table): the counters, where the offloaded state lives and how
+    big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether gradients
+    are captured in backward. Host bytes are this process's (a sharded parameter's rows here);
+    ``offloaded_params`` counts whole parameters."""
+    pipeline, s = opt._pipeline, opt._stats
+    records, slabs = pipeline.records, pipeline.slabs
+    total_cols = sum(rec.cols for rec in records.values())
+    selected_cols = sum(rec.cols - rec.masks.num_unselected for rec in records.values())
+    local_numel = sum(rec.rows * rec.cols for rec in records.values())
+    host_bytes = sum(slab.nbytes for slab in slabs)
+    device_bytes = pipeline.device_bytes(opt.state) + opt._capture.device_bytes(records)
+    return {
+        **s.counters(),
+        "selected_fraction": selected_cols / total_cols if total_cols else 0.0,
+        "pinned_bytes": sum(slab.nbytes for slab in slabs if slab.pinned),
+        "host_bytes": host_bytes,
+        "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
+        "offloaded_params": sum(p.numel() for p in records),
+        "accumulate": pipeline.accumulate,
+        "accumulate_reason": pipeline.accumulate_reason,
+        "device_bytes_per_param": device_bytes / local_numel if local_numel else 0.0,
+        **s.per_step(), **opt._knobs.state_dict(), **opt._knobs.report(s), **opt._gradients.report(),
+        "grads_in_backward": opt.config.grads_in_backward,
+    }
