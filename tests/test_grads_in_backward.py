@@ -39,6 +39,24 @@ def _pair(dtype=torch.float32, **knobs):
     return models, opts
 
 
+def _train_pair(models, opts, steps: int, *, micro: int = 1, before=None, between=None, sync: bool = False) -> None:
+    """``steps`` steps of each (model, optimizer) pair: ``before(i, model)``, zero_grad, ``micro`` backward() calls,
+    ``between(i, optimizer)``, step(); after each step both models' parameters bit for bit."""
+    for i in range(steps):
+        for m, o in zip(models, opts):
+            if before is not None:
+                before(i, m)
+            o.zero_grad()
+            for j in range(micro):
+                loss_fn(m, micro * i + j).backward()
+            if between is not None:
+                between(i, o)
+            o.step()
+        if sync:
+            torch.cuda.synchronize()
+        _assert_same(*models, f"step {i + 1}")
+
+
 # Triton (interpreted) with fp32 only: each interpreted case is slow, and its 16-bit casts are test_fused_step's.
 CASES = [(b, d) for b in BACKENDS for d in (torch.float32, torch.bfloat16) if b != "triton" or d == torch.float32]
 
@@ -70,13 +88,20 @@ def test_equals_default_host_mode_bitwise_every_step(backend: str, dtype: torch.
         o.close()
 
 
-def test_matches_simulation_every_step() -> None:
-    """The dense oracle, fed the gradients a twin model computes (the captured ones are gone after backward)."""
+def _simulated():
+    """A model with an in-backward optimizer (r = 0.25, U = 3, S = 6, two warm-up steps), a twin model that computes
+    the gradients the capture consumes, the hyperparameters, and the dense oracle of each offloaded parameter."""
     model, twin = Net(), Net()
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = ZenFlowAdamW(model.parameters(), **hp, topk_ratio=0.25, update_interval=3, select_interval=6,
                        warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True)
     sims = {p: Simulation(p.detach(), r=0.25, interval=3, select=6, warmup=2, overlap=True) for p in offloaded(model)}
+    return model, twin, hp, opt, sims
+
+
+def test_matches_simulation_every_step() -> None:
+    """The dense oracle, fed the gradients a twin model computes (the captured ones are gone after backward)."""
+    model, twin, hp, opt, sims = _simulated()
     twin_params = dict(zip(model.parameters(), twin.parameters()))
     for i in range(STEPS):
         with torch.no_grad():
@@ -101,13 +126,7 @@ def test_micro_batches_sum_as_grad_does(r: float, dtype: torch.dtype) -> None:
     per-micro-batch scores may choose otherwise than the summed gradient's): the parameters are the default mode's
     bit for bit, the host part (r = 0) and the compact part (r = 1) summing in the parameter's dtype as .grad does."""
     models, opts = _pair(dtype, topk_ratio=r)
-    for i in range(12):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            for j in range(3):
-                loss_fn(m, 3 * i + j).backward()
-            o.step()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, 12, micro=3)
     for o in opts:
         o.close()
 
@@ -115,11 +134,7 @@ def test_micro_batches_sum_as_grad_does(r: float, dtype: torch.dtype) -> None:
 def test_micro_batches_match_simulation_with_per_micro_batch_scores() -> None:
     """Two backward() calls per step at r = 0.25 over three selections: the dense oracle, given the summed gradient
     for the update and the micro-batches' summed column norms for the scores (what the capture documents)."""
-    model, twin = Net(), Net()
-    hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-    opt = ZenFlowAdamW(model.parameters(), **hp, topk_ratio=0.25, update_interval=3, select_interval=6,
-                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True)
-    sims = {p: Simulation(p.detach(), r=0.25, interval=3, select=6, warmup=2, overlap=True) for p in offloaded(model)}
+    model, twin, hp, opt, sims = _simulated()
     twin_params = dict(zip(model.parameters(), twin.parameters()))
     for i in range(STEPS):
         total = {p: 0.0 for p in sims}
@@ -204,13 +219,7 @@ def test_zero_grad_discards_a_capture() -> None:
 def test_a_parameter_without_gradient_gets_nothing() -> None:
     """A parameter that gets no gradient in some steps (frozen for them): as in the default mode."""
     models, opts = _pair()
-    for i in range(12):
-        for m, o in zip(models, opts):
-            m.emb.weight.requires_grad_(i % 4 != 2)
-            o.zero_grad()
-            loss_fn(m, i).backward()
-            o.step()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, 12, before=lambda i, m: m.emb.weight.requires_grad_(i % 4 != 2))
     for o in opts:
         o.close()
 
@@ -273,17 +282,14 @@ def test_checkpoint_mid_window_resumes_bitwise(into: bool) -> None:
 def test_flush_and_state_dict_between_backward_and_step() -> None:
     """flush() and state_dict() between a backward and its step leave the capture for the step, as .grad is left in
     the default mode: the same parameters bit for bit."""
+    def between(i: int, o: ZenFlowAdamW) -> None:
+        if i % 5 == 4:
+            o.flush()
+        if i % 3 == 1:
+            o.state_dict()
+
     models, opts = _pair()
-    for i in range(STEPS):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            loss_fn(m, i).backward()
-            if i % 5 == 4:
-                o.flush()
-            if i % 3 == 1:
-                o.state_dict()
-            o.step()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, STEPS, between=between)
     for o in opts:
         o.close()
 
@@ -357,12 +363,7 @@ def test_zenflow_adam_equals_its_default_mode() -> None:
 
     models = [Net(), Net()]
     opts = [ZenFlowAdam(m.parameters(), **KNOBS, grads_in_backward=g) for m, g in zip(models, (False, True))]
-    for i in range(10):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            loss_fn(m, i).backward()
-            o.step()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, 10)
     for o in opts:
         o.close()
 
@@ -416,13 +417,7 @@ def test_cuda_equals_default_host_mode_bitwise(backend: str, dtype: torch.dtype)
     """On CUDA, with the copy streams delayed: the capture's device-to-host copies, the adder's event after them, the
     migration's reads of the slot and the compact fused step give the default mode's bits at every step."""
     models, opts = _cuda_pair(dtype, backend)
-    for i in range(STEPS):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            loss_fn(m, i).backward()
-            o.step()
-        torch.cuda.synchronize()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, STEPS, sync=True)
     assert all(p.grad is None for p in offloaded(models[1]))
     for o in opts:
         o.close()
@@ -433,14 +428,7 @@ def test_cuda_equals_default_host_mode_bitwise(backend: str, dtype: torch.dtype)
 def test_cuda_micro_batches_sum_as_grad_does(r: float) -> None:
     """On CUDA a later micro-batch's gradient goes through the pinned scratch and a host add (delayed copies)."""
     models, opts = _cuda_pair(torch.bfloat16, "triton", topk_ratio=r)
-    for i in range(10):
-        for m, o in zip(models, opts):
-            o.zero_grad()
-            for j in range(3):
-                loss_fn(m, 3 * i + j).backward()
-            o.step()
-        torch.cuda.synchronize()
-        _assert_same(*models, f"step {i + 1}")
+    _train_pair(models, opts, 10, micro=3, sync=True)
     for o in opts:
         o.close()
 

@@ -106,6 +106,16 @@ def memory_ops(ptx: str) -> dict[str, int]:
     return out
 
 
+def _merge_spans(spans: list[list[int]]) -> list[list[int]]:
+    """Loop spans ``[start, end]`` (a label or address to the last branch back to it), overlapping ones merged."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return merged
+
 def scalar_loads_before_loop(ptx: str) -> int | None:
     """Scalar ``ld.global`` lines ahead of the streaming loop: the loop (a span from a label to the last branch back
     to it, overlapping spans merged) holding the most global loads; None without a loop."""
@@ -116,12 +126,7 @@ def scalar_loads_before_loop(ptx: str) -> int | None:
         m = re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)
         if m and labels.get(m.group(1), i) < i:
             spans.append([labels[m.group(1)], i])
-    merged: list[list[int]] = []
-    for lo, hi in sorted(spans):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
+    merged = _merge_spans(spans)
     if not merged:
         return None
     is_ld = [bool(re.search(r"\bld\.global\.", line)) for line in lines]
@@ -180,12 +185,7 @@ def spills_in_loop(cubin: bytes) -> int | None:
         m = re.search(r"\bBRA\S*\s+(?:`\()?(?:\.L_x_\d+\))?\s*(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             spans.append([int(m.group(1), 16), addr])
-    merged: list[list[int]] = []
-    for lo, hi in sorted(spans):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
+    merged = _merge_spans(spans)
     if not ops:
         return None  # not the listing this parser knows
     if not merged:
