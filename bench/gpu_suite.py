@@ -361,8 +361,10 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
 
 def e2e_providers(*, quick: bool) -> dict[str, OptimizerProvider]:
     # A hung host worker must become an error within the suite's budget, not after the default 10 minutes.
-    all_p = optimizer_providers(extra=("torchao_offload", "zenflow_host"), zenflow_kwargs={"worker_timeout": 120.0})
-    names = ["torch_adamw_fused", "sync_offload", "torchao_offload", "zenflow", "zenflow_host", "zenflow_auto"]
+    all_p = optimizer_providers(extra=("torchao_offload", "zenflow_host", "zenflow_host_gib"),
+                                zenflow_kwargs={"worker_timeout": 120.0})
+    names = ["torch_adamw_fused", "sync_offload", "torchao_offload", "zenflow", "zenflow_host", "zenflow_host_gib",
+             "zenflow_auto"]
     if quick and "zenflow_auto" in all_p:
         names.remove("zenflow")
     return {n: all_p[n] for n in names if n in all_p}

@@ -236,8 +236,9 @@ def optimizer_providers(
     Always: ``torch_adamw_fused`` (the baseline), ``torch_adamw`` (torch's default implementation),
     ``sync_offload`` (ZenFlowAdamW with ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload
     schedule), ``zenflow`` (``topk_ratio=0.1, update_interval=4``), and ``zenflow_auto`` when ``auto`` and the
-    autotuner imports. ``extra`` adds ``torchao_offload`` (when torchao imports; CUDA only) and ``zenflow_host``
-    (``zenflow`` with ``accumulate="host"``: the window sum in host memory, for the device-memory rows).
+    autotuner imports. ``extra`` adds ``torchao_offload`` (when torchao imports; CUDA only), ``zenflow_host``
+    (``zenflow`` with ``accumulate="host"``: the window sum in host memory, for the device-memory rows) and
+    ``zenflow_host_gib`` (that with ``grads_in_backward=True``: the offloaded gradients consumed during backward).
     ``cpu_threads`` is passed to every ZenFlowAdamW (None: the library's default, all cores but one), and so are
     ``zenflow_kwargs`` (e.g. a short ``worker_timeout`` for a suite that must not hang).
     """
@@ -265,6 +266,10 @@ def optimizer_providers(
     if "zenflow_host" in extra:
         add(OptimizerProvider("zenflow_host", "ZenFlow r=0.1, U=4, accumulate=host",
                               zen(topk_ratio=0.1, update_interval=4, accumulate="host"), zenflow=True))
+    if "zenflow_host_gib" in extra:
+        add(OptimizerProvider("zenflow_host_gib", "ZenFlow r=0.1, U=4, accumulate=host, grads_in_backward",
+                              zen(topk_ratio=0.1, update_interval=4, accumulate="host", grads_in_backward=True),
+                              zenflow=True))
     if "torchao_offload" in extra:
         cls = _torchao_offload()
         if cls is not None:
