@@ -237,3 +237,28 @@ def test_a_selection_of_only_new_columns_fills_them_from_the_host(k_old: int, k_
     assert (st["master"] is master) == (k_old == k_new)
     assert_identical(st, st2)
     assert_identical(vars(masks), vars(masks2))
+
+
+@pytest.mark.gpu
+def test_in_place_migration_on_cuda_in_chunks_equals_reselect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path of the in-place permutation in several chunks (a 64 KiB cap), the direct fill of a first
+    selection and the per-parameter staging, against reselect_ on CPU tensors; same-k tensors keep their identity."""
+    monkeypatch.setattr(columns, "_INPLACE_CHUNK_BYTES", 64 << 10)
+    shapes = [(1000, 2048, 205, 205), (333, 512, 51, 51), (256, 1024, 0, 102), (128, 300, 30, 45)]
+    cases, twins = [], []
+    for seed, (rows, cols, k_old, _) in enumerate(shapes):
+        st, masks = make_state(rows, cols, k_old, seed)
+        twins.append(copy.deepcopy((st, masks)))
+        st = {key: t if key.startswith("host_") else t.cuda() for key, t in st.items()}
+        masks = ColumnMasks.empty(cols, torch.device("cuda"))
+        masks.refresh(st["slot"])
+        cases.append((st, masks))
+    assert columns._chunk_rows(1000, 205) < 1000
+    ks = [k_new for *_, k_new in shapes]
+    objects = [st["master"] for st, _ in cases]
+    expected = [reselect_(st, masks, k) for (st, masks), k in zip(twins, ks)]
+    got = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
+    assert got == expected
+    for i, ((st, _), (st2, _)) in enumerate(zip(cases, twins)):
+        assert_identical({k: v.cpu() for k, v in st.items()}, st2, f"param {i}")
+        assert (st["master"] is objects[i]) == (shapes[i][2] == shapes[i][3])
