@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from zenflow_triton import columns
 from zenflow_triton.columns import (
     ColumnMasks,
     ColumnMove,
@@ -167,3 +168,97 @@ def test_topk_never_rounds_a_real_excess_away() -> None:
     # r*C a hair above an integer by much more than float error must round up (round(., 6) took it down).
     assert ZenFlowConfig(topk_ratio=3.0000001 / 1000).topk(1000) == 4
     assert ZenFlowConfig(topk_ratio=0.1 + 1e-9).topk(30) == 4
+
+
+def _selection_pair(rows: int, cols: int, k_old: int, k_new: int, seed: int):
+    """A state and its deep copy, and the new k: the batched step runs on the first, reselect_ on the twin."""
+    st, masks = make_state(rows, cols, k_old, seed)
+    return (st, masks), copy.deepcopy((st, masks)), k_new
+
+
+@pytest.mark.parametrize("rows,cols,k_old,k_new", [(9, 40, 10, 10), (1, 7, 3, 3), (5, 40, 0, 10), (4, 30, 6, 9)])
+def test_same_k_selection_permutes_the_compact_state_in_place(rows: int, cols: int, k_old: int, k_new: int) -> None:
+    """k unchanged: the same compact tensor objects come back, permuted in place (no second compact state beside the
+    first); k changed (the first selection from k = 0 among them): new ones. Either way the bits of reselect_ and a
+    new slot map (capture.py's lazy migration keys on its identity)."""
+    (st, masks), (st2, masks2), k = _selection_pair(rows, cols, k_old, k_new, seed=rows + cols)
+    before = {key: st[key] for key in ("master", "exp_avg", "exp_avg_sq", "slot")}
+    expected = reselect_(st2, masks2, k)
+    (got,) = reselect_many_([(st, masks, k)])
+    assert got == expected and got.columns_changed > 0
+    assert_identical(st, st2)
+    assert_identical(vars(masks), vars(masks2))
+    assert st["slot"] is not before["slot"]
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert (st[key] is before[key]) == (k_old == k_new), key
+
+
+def test_in_place_migration_in_several_chunks_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cap of 2 rows of the widest compact tensor: 7 rows go in 4 chunks (the last one ragged), the 1-row tensor in
+    one; every chunked result bit-identical to the one-chunk (default cap) result."""
+    shapes = [(7, 50, 12, 12), (1, 33, 11, 11), (6, 40, 5, 5), (3, 20, 4, 7)]
+    cases = [make_state(rows, cols, k_old, seed) for seed, (rows, cols, k_old, _) in enumerate(shapes)]
+    ks = [k_new for *_, k_new in shapes]
+    twins = copy.deepcopy(cases)
+    one_chunk = reselect_many_([(st, masks, k) for (st, masks), k in zip(twins, ks)])
+    monkeypatch.setattr(columns, "_INPLACE_CHUNK_BYTES", 2 * 12 * 4)
+    assert columns._chunk_rows(7, 12) == 2 and columns._chunk_rows(6, 5) == 4 and columns._chunk_rows(1, 11) == 1
+    objects = [st["master"] for st, _ in cases]
+    chunked = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
+    assert chunked == one_chunk and all(r.columns_changed for r in chunked)
+    for i, ((st, masks), (st2, masks2)) in enumerate(zip(cases, twins)):
+        assert_identical(st, st2, f"param {i}")
+        assert_identical(vars(masks), vars(masks2), f"masks {i}")
+        assert (st["master"] is objects[i]) == (shapes[i][2] == shapes[i][3])
+
+
+def test_unchanged_selection_keeps_the_compact_state() -> None:
+    """The same columns selected again (r = 1, or scores that pick the same top-k): nothing moves, the tensors stay."""
+    (st, masks), (st2, masks2), _ = _selection_pair(4, 9, 9, 9, seed=3)
+    master = st["master"]
+    expected = reselect_(st2, masks2, 9)
+    (got,) = reselect_many_([(st, masks, 9)])
+    assert got == expected and got.columns_changed == 0
+    assert st["master"] is master
+    assert_identical(st, st2)
+
+
+@pytest.mark.parametrize("k_old,k_new", [(6, 6), (4, 6), (0, 6)])
+def test_a_selection_of_only_new_columns_fills_them_from_the_host(k_old: int, k_new: int) -> None:
+    """Every new slot a joining column (the first selection, or no overlap with the old one): the compact columns go
+    from the host straight into place, into the old tensors when k is unchanged, with reselect_'s bits."""
+    st, masks = make_state(9, 20, k_old, seed=7)
+    st["score"] = torch.where(st["slot"] >= 0, 0.0, torch.rand(20, generator=torch.Generator().manual_seed(8)) + 1)
+    st2, masks2 = copy.deepcopy((st, masks))
+    master = st["master"]
+    expected = reselect_(st2, masks2, k_new)
+    (got,) = reselect_many_([(st, masks, k_new)])
+    assert got == expected and got.columns_changed == k_old + k_new
+    assert (st["master"] is master) == (k_old == k_new)
+    assert_identical(st, st2)
+    assert_identical(vars(masks), vars(masks2))
+
+
+@pytest.mark.gpu
+def test_in_place_migration_on_cuda_in_chunks_equals_reselect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path of the in-place permutation in several chunks (a 64 KiB cap), the direct fill of a first
+    selection and the per-parameter staging, against reselect_ on CPU tensors; same-k tensors keep their identity."""
+    monkeypatch.setattr(columns, "_INPLACE_CHUNK_BYTES", 64 << 10)
+    shapes = [(1000, 2048, 205, 205), (333, 512, 51, 51), (256, 1024, 0, 102), (128, 300, 30, 45)]
+    cases, twins = [], []
+    for seed, (rows, cols, k_old, _) in enumerate(shapes):
+        st, masks = make_state(rows, cols, k_old, seed)
+        twins.append(copy.deepcopy((st, masks)))
+        st = {key: t if key.startswith("host_") else t.cuda() for key, t in st.items()}
+        masks = ColumnMasks.empty(cols, torch.device("cuda"))
+        masks.refresh(st["slot"])
+        cases.append((st, masks))
+    assert columns._chunk_rows(1000, 205) < 1000
+    ks = [k_new for *_, k_new in shapes]
+    objects = [st["master"] for st, _ in cases]
+    expected = [reselect_(st, masks, k) for (st, masks), k in zip(twins, ks)]
+    got = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
+    assert got == expected
+    for i, ((st, _), (st2, _)) in enumerate(zip(cases, twins)):
+        assert_identical({k: v.cpu() for k, v in st.items()}, st2, f"param {i}")
+        assert (st["master"] is objects[i]) == (shapes[i][2] == shapes[i][3])

@@ -30,6 +30,9 @@ def test_host_accumulation_holds_at_most_9_6_bytes_per_param() -> None:
     # weights 4 + grads 4 + compact selected state 12r = 1.2, plus per-column vectors and the input batch
     assert host.held <= 9.6
     assert host.held >= 9.2  # the harness sees the weights, the gradients and the compact state
+    # python bench/report_memory.py: 9.36. The first selection fills the compact state from the host in place; it
+    # peaked at 10.51 while its packed joining columns (1.2) lay on the device beside the new compact state.
+    assert host.peak <= 9.5
 
 
 def test_host_accumulation_of_a_bf16_model_holds_no_device_buffer_for_the_sum() -> None:
@@ -37,12 +40,27 @@ def test_host_accumulation_of_a_bf16_model_holds_no_device_buffer_for_the_sum() 
     5.26 held). Before the fused step took acc=None, an fp32 scratch of the largest weight added 1 B/param (6.26)."""
     host = report_memory.measure(report_memory.optimizers()["ZenFlow host"], dtype=torch.bfloat16, steps=STEPS)
     assert 5.2 <= host.held <= 5.5
+    assert host.peak <= 5.5  # 5.36 (6.48 before the first selection filled the compact state directly)
 
 
 def test_device_accumulation_holds_the_window_sum() -> None:
     """The same harness sees the device path's fp32 acc: 4 bytes per parameter more than "host"."""
     device = report_memory.measure(report_memory.optimizers()["ZenFlow device"], steps=STEPS)
     assert 13.2 <= device.held <= 13.6
+    assert device.peak <= 13.5  # 13.36 (14.51 before, as for "host")
+
+
+@pytest.mark.parametrize("dtype,peak", [(torch.float32, 10.1), (torch.bfloat16, 6.05)])
+def test_a_selection_step_migrates_without_a_second_compact_state(dtype: torch.dtype, peak: float) -> None:
+    """A selection every window (S = U = 4): steps 1 and 5 select, the second with k unchanged and ~90 of each
+    weight's 103 columns changing sides (random data). The compact state is permuted in place and the changed columns
+    are staged one parameter at a time: this harness gives 9.97 / 5.93 peak (fp32 / bf16; held 9.30 / 5.26), where
+    building the new compact state beside the old, with every parameter's leaving and joining columns on the device
+    at once, peaked at 12.71 / 8.67 (13 steps)."""
+    make = lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host", topk_ratio=0.1,  # noqa: E731
+                                  update_interval=4, select_interval=4)
+    fig = report_memory.measure(make, dtype=dtype, steps=STEPS)
+    assert fig.peak <= peak
 
 
 @pytest.mark.parametrize("mode,acc_bytes", [("device", 4.0), ("host", 0.0)])
@@ -63,12 +81,12 @@ def test_stats_device_bytes_per_param(mode: str, acc_bytes: float) -> None:
 
 def test_grads_in_backward_holds_at_most_6_and_peaks_at_most_7_5_bytes_per_param() -> None:
     """fp32 "host" + grads_in_backward (python bench/report_memory.py: 5.31 held / 6.71 peak over 13 steps): weights
-    4 + compact state 1.2 + vectors and the batch held, no gradient between steps; the peak is a selection step's,
-    whose migration builds the new compact state (1.2) beside the old, as in "host" alone (9.30 / 10.51, which holds
-    the whole gradient too)."""
+    4 + compact state 1.2 + vectors and the batch held, no gradient between steps; the peak is within backward, one
+    layer's fp32 gradient (1.0 B/param here) in flight before its hook takes it (the selection steps peak lower:
+    6.13 at the first, 6.53 at a same-k selection)."""
     fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], steps=STEPS)
     assert 5.2 <= fig.held <= 6.0
-    assert fig.peak <= 7.5
+    assert fig.peak <= 6.8
 
 
 def test_grads_in_backward_of_a_bf16_model_holds_at_most_2_plus_14r() -> None:
@@ -77,6 +95,11 @@ def test_grads_in_backward_of_a_bf16_model_holds_at_most_2_plus_14r() -> None:
     fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], dtype=torch.bfloat16,
                                 steps=STEPS)
     assert 3.2 <= fig.held <= 2 + 14 * 0.1
+    # The peak, 4.02 (4.49 while the first selection's joining columns lay on the device beside the new compact state),
+    # is within backward: the held state, the batch's activations and the compact gradients captured so far, plus one
+    # layer's bf16 gradient in flight (0.5) and the mm's temporaries; the goal's 2 + 14r + 0.5 = 3.9 counts no
+    # activations and is not met in this harness by those 0.12.
+    assert fig.peak <= 4.1
 
 
 def test_stats_device_bytes_per_param_with_grads_in_backward() -> None:
@@ -101,8 +124,8 @@ def test_stats_device_bytes_per_param_with_grads_in_backward() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,held,peak", [(torch.float32, 6.0, 7.5), (torch.bfloat16, 2 + 14 * 0.1, 4.9)])
 def test_grads_in_backward_on_cuda(dtype: torch.dtype, held: float, peak: float) -> None:
-    """The same bounds from torch.cuda.memory_allocated / max_memory_allocated (the CPU harness's bf16 peak is 4.49:
-    the held 3.28 plus a selection step's migration, the new compact state 1.2 beside the old)."""
+    """The same bounds from torch.cuda.memory_allocated / max_memory_allocated (the CPU harness's bf16 peak is 4.02,
+    within backward: the held 3.28, activations, and one layer's gradient in flight)."""
     fig = report_memory.measure(report_memory.optimizers()["ZenFlow host + grads_in_backward"], dtype=dtype,
                                 device="cuda", steps=STEPS)
     assert fig.held <= held

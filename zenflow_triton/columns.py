@@ -188,10 +188,16 @@ def migrate_columns_many(moves: Sequence[ColumnMove]) -> list[tuple[Compact, int
     """:func:`migrate_columns` for every move at once, with identical results (pure data movement, bit for bit).
 
     All parameters must be on one device. With CUDA: one device-to-host copy of every slot map (a synchronization),
-    then for all parameters together one gather of the leaving columns on the device and one copy of it to pinned
-    host memory, one gather of the joining columns on the host into pinned memory and one copy of it to the device,
+    then per parameter one gather of its leaving columns on the device and one copy of it into a pinned host buffer
+    shared by all, one gather of its joining columns on the host into another and one copy of that to the device,
     each ``non_blocking``, then one synchronization before the leaving columns are written into the host arrays.
     (Two synchronizations, not one: what to gather depends on the new slot maps, which the host must read first.)
+
+    Device memory beyond the compact state: one parameter's changed columns at a time and a chunk of at most
+    ``_INPLACE_CHUNK_BYTES`` (16 MiB). Where k is unchanged (the usual selection step) the returned compact tensors
+    are the move's own, permuted in place in row chunks, so the migration builds no second compact state beside the
+    first (12r B/param); where every new slot is a joining column (the first selection) they are filled from the host
+    directly; where k changes otherwise (``set_knobs(topk_ratio=...)``) they are new tensors.
     """
     if not moves:
         return []
@@ -266,24 +272,105 @@ def _staging(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
 
 
+# The in-place permutation of a selection step with k unchanged (:func:`_permute_in_place`) goes through a temporary
+# of at most this many bytes: the migration's extra device memory beyond the changed columns' packed buffers. 16 MiB
+# is nothing beside the compact state it replaces (12r B/param: 1.2 GB for a 1B model at r = 0.1) and keeps a chunk's
+# two copies (64 MiB of traffic, ~15 us at an H200's ~4.8 TB/s, estimated, not measured) above the ~5 us a launch
+# costs the host, so the launches stay hidden behind the copies; and every compact tensor of a 1B model but its
+# embedding's ([2048 | 8192, 205 | 819] fp32: <= 6.7 MB) is one chunk, the embedding's ([128256, 205]: 105 MB) 7.
+_INPLACE_CHUNK_BYTES = 16 << 20
+_PARTS = 7  # device index tensors per parameter in _migrate_many's packed copy (see the plan there)
+_NOTHING = torch.empty(0, dtype=torch.long)  # no in-place source (the compact tensors are not permuted in place)
+
+# How _migrate_many builds a parameter's new compact state:
+_KEEP = 0  # the same columns in the same slots: nothing moves, the tensors stay
+_DIRECT = 1  # every new slot is a joining column, in slot order (the first selection): from the host straight in
+_IN_PLACE = 2  # k unchanged: permuted in place (staying columns), joining ones from the packed buffer
+_ALLOCATE = 3  # k changes: new tensors, staying columns gathered from the old ones, joining ones from the buffer
+
+
+def _chunk_rows(rows: int, k: int) -> int:
+    """Rows of one chunk of a ``[rows, k]`` fp32 compact tensor permuted in place: all of them under the cap."""
+    return max(1, min(rows, _INPLACE_CHUNK_BYTES // (4 * max(k, 1))))
+
+
+def _reusable(compact: Compact, k_new: int) -> bool:
+    """Whether the new compact state can live in the old tensors: the same width k_new > 0, and three separate
+    contiguous fp32 tensors (aliased ones would each be rewritten thrice)."""
+    rows, k_old = compact[0].shape
+    if k_new != k_old or k_new == 0:
+        return False
+    if any(t.dtype != torch.float32 or t.shape != (rows, k_old) or not t.is_contiguous() for t in compact):
+        return False
+    return len({t.untyped_storage().data_ptr() for t in compact}) == 3
+
+
+def _plan_mode(compact: Compact, k_new: int, parts: tuple[torch.Tensor, ...]) -> tuple[int, torch.Tensor]:
+    """One parameter's way (``_KEEP`` ...) and, for ``_IN_PLACE``, the gather that permutes its compact tensors: per
+    new slot the old slot its staying column comes from (0 for a joining column, written after). ``parts``: the host
+    index plan of :func:`_migrate_many`."""
+    leave_src, _, stay_dst, stay_src, join_dst, _ = parts
+    if not leave_src.numel() and not join_dst.numel() and torch.equal(stay_dst, stay_src):
+        return _KEEP, _NOTHING  # no column changes sides, and slots are ranks: the same slots
+    if k_new and join_dst.numel() == k_new and torch.equal(join_dst, torch.arange(k_new)):
+        return _DIRECT, _NOTHING
+    if not _reusable(compact, k_new):
+        return _ALLOCATE, _NOTHING
+    src = torch.zeros(k_new, dtype=torch.long)
+    src[stay_dst] = stay_src
+    return _IN_PLACE, src
+
+
+def _permute_in_place(t: torch.Tensor, src: torch.Tensor, chunk: torch.Tensor, join_dst: torch.Tensor,
+                      joined: torch.Tensor | None) -> None:
+    """A compact tensor ``[rows, k]`` in its new layout, in place: per chunk of rows (rows are independent) the staying
+    columns gathered by ``src`` into ``chunk`` and copied back, then the joining columns ``joined`` into their slots
+    ``join_dst`` (slots no staying column takes, so the order is free). Pure data movement: the bits of the
+    allocating path. Launches: two per chunk (one chunk under :data:`_INPLACE_CHUNK_BYTES`) and one for the joining
+    columns, about what the allocating path costs (an allocation, a gather, two scatters); no synchronization."""
+    rows, k = t.shape
+    step = _chunk_rows(rows, k)
+    for r0 in range(0, rows, step):
+        part = t[r0 : r0 + step]
+        tmp = chunk[: part.shape[0] * k].view(part.shape[0], k)
+        torch.index_select(part, 1, src, out=tmp)
+        part.copy_(tmp)
+    if joined is not None:
+        t.index_copy_(1, join_dst, joined)
+
+
+def _write_leaving(m: ColumnMove, leaving: torch.Tensor, packed: torch.Tensor) -> None:
+    """The leaving columns' packed state (three ``[rows, n]`` blocks, then ``n`` int32 step counts) into the host
+    arrays."""
+    rows, n = m.compact[0].shape[0], leaving.numel()
+    for j, host_t in enumerate(m.host):
+        host_t[:, leaving] = packed[j * rows * n : (j + 1) * rows * n].view(rows, n)
+    m.host_col_step[leaving] = packed[3 * rows * n :].view(torch.int32)
+
+
 def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
                   new_host: Sequence[torch.Tensor]) -> list[tuple[Compact, int, int, int]]:
     """The body of :func:`migrate_columns_many`, given host copies of the slot maps.
 
-    Each side's columns of all parameters travel packed in one fp32 buffer: per parameter its three compact tensors
-    ``[rows, n]`` in turn, then its ``n`` step counts as int32 bit patterns (a view, never a conversion)."""
+    Each side's changed columns travel packed in fp32: per parameter its three compact tensors ``[rows, n]`` in turn,
+    then its ``n`` step counts as int32 bit patterns (a view, never a conversion); with CUDA all parameters' shares
+    lie in one pinned buffer per side. Each parameter's way is one of ``_KEEP``, ``_DIRECT`` (its compact columns go
+    from the host straight into the new tensors, one copy per tensor, so the device never holds them twice),
+    ``_IN_PLACE`` and ``_ALLOCATE``."""
     device = moves[0].old_slot.device
     if any(m.old_slot.device != device for m in moves):
         raise ValueError("migrate_columns_many: all parameters must be on one device")
     plans, index_parts = [], []
-    for old, new in zip(old_host, new_host):
+    for m, old, new in zip(moves, old_host, new_host):
         old_sel, new_sel = old >= 0, new >= 0
         leaving = torch.nonzero(old_sel & ~new_sel).squeeze(1)
         joining = torch.nonzero(new_sel & ~old_sel).squeeze(1)
         staying = torch.nonzero(old_sel & new_sel).squeeze(1)
         parts = (old[leaving].long(), leaving, new[staying].long(), old[staying].long(), new[joining].long(), joining)
-        index_parts += parts
-        plans.append((int(new_sel.sum()), leaving, joining, parts))
+        k_new = int(new_sel.sum())
+        mode, src = _plan_mode(m.compact, k_new, parts)
+        index_parts += parts + (src,)
+        plans.append((k_new, leaving, joining, mode))
     # Every index the device needs, in one host-to-device copy.
     flat_host = torch.cat(index_parts)
     if device.type == "cuda":
@@ -294,67 +381,95 @@ def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
         dev_parts.append(flat_dev[start : start + part.numel()])
         start += part.numel()
 
-    # Leaving columns: gathered on the device into one buffer, copied to the host in one go.
+    def packed(m: ColumnMove, plan: tuple) -> int:  # the packed columns' elements per column changing sides
+        # (_DIRECT on CPU tensors: the step counts alone, the compact columns are gathered straight into place)
+        return 1 + (0 if plan[3] == _DIRECT and device.type == "cpu" else 3 * m.compact[0].shape[0])
+
+    # The changed columns of all parameters in one pinned buffer each way; on the device each parameter's share in a
+    # buffer of its own, dropped once its copy is enqueued (the caching allocator reuses a block freed on this stream
+    # only for work queued after the copy), so the device holds one parameter's changed columns at a time, not all.
+    # With CUDA one device-to-host and one host-to-device copy per parameter with changed columns.
     leave_total = sum(plan[1].numel() * (3 * m.compact[0].shape[0] + 1) for m, plan in zip(moves, plans))
-    leave_dev = torch.empty(leave_total, dtype=torch.float32, device=device)
-    # Joining columns: gathered on the host into one buffer, copied to the device in one go.
-    join_total = sum(plan[2].numel() * (3 * m.compact[0].shape[0] + 1) for m, plan in zip(moves, plans))
-    join_host = _staging(join_total, device)
+    join_total = sum(plan[2].numel() * packed(m, plan) for m, plan in zip(moves, plans))
+    # (On CPU tensors each parameter's share is staged alone: nothing is packed for a transfer there.)
+    leave_host = _staging(leave_total, device) if device.type == "cuda" else None
+    join_host = _staging(join_total, device) if device.type == "cuda" else None
+    # The chunk buffer of the in-place permutations, shared by all of them (they run one after another on one stream).
+    chunk_numel = max((_chunk_rows(*m.compact[0].shape) * m.compact[0].shape[1]
+                       for m, plan in zip(moves, plans) if plan[3] == _IN_PLACE), default=0)
+    chunk = torch.empty(chunk_numel, dtype=torch.float32, device=device) if chunk_numel else None
+    out: list[tuple[Compact, int, int, int]] = []
     lo = jo = 0
-    for i, (m, (_, leaving, joining, _)) in enumerate(zip(moves, plans)):
+    for i, (m, (k_new, leaving, joining, mode)) in enumerate(zip(moves, plans)):
         rows = m.compact[0].shape[0]
-        leave_src, leaving_dev = dev_parts[6 * i], dev_parts[6 * i + 1]
+        leave_src, leaving_dev, stay_dst, stay_src, join_dst, joining_dev, inplace_src = \
+            dev_parts[_PARTS * i : _PARTS * (i + 1)]
+        # Leaving columns first: gathered before anything below rewrites the compact tensors (stream order).
         n = leaving.numel()
         if n:
-            for t in m.compact:
-                torch.index_select(t, 1, leave_src, out=leave_dev[lo : lo + rows * n].view(rows, n))
-                lo += rows * n
-            torch.index_select(m.col_step, 0, leaving_dev, out=leave_dev[lo : lo + n].view(torch.int32))
-            lo += n
+            size = n * (3 * rows + 1)
+            leave_dev = torch.empty(size, dtype=torch.float32, device=device)
+            for j, t in enumerate(m.compact):
+                torch.index_select(t, 1, leave_src, out=leave_dev[j * rows * n : (j + 1) * rows * n].view(rows, n))
+            torch.index_select(m.col_step, 0, leaving_dev, out=leave_dev[3 * rows * n :].view(torch.int32))
+            if leave_host is not None:
+                leave_host[lo : lo + size].copy_(leave_dev, non_blocking=True)
+                lo += size
+            else:  # CPU: the host arrays are written now (the joining columns read below are other columns)
+                _write_leaving(m, leaving, leave_dev)
+            del leave_dev
+        # Joining columns: gathered on the host (a pinned slice with CUDA), copied to the device.
         n = joining.numel()
+        joined: list[torch.Tensor] = []
         if n:
-            for t in m.host:
-                torch.index_select(t, 1, joining, out=join_host[jo : jo + rows * n].view(rows, n))
-                jo += rows * n
-            torch.index_select(m.host_col_step, 0, joining, out=join_host[jo : jo + n].view(torch.int32))
-            jo += n
-    if device.type == "cuda":
-        leave_host = _staging(leave_total, device)
-        leave_host.copy_(leave_dev, non_blocking=True)
-    else:
-        leave_host = leave_dev
-    join_dev = _to_device(join_host, device)
-
-    out: list[tuple[Compact, int, int, int]] = []
-    jo = 0
-    for i, (m, (k_new, leaving, joining, _)) in enumerate(zip(moves, plans)):
-        rows = m.compact[0].shape[0]
-        stay_dst, stay_src, join_dst, joining_dev = dev_parts[6 * i + 2 : 6 * i + 6]
-        new_compact = tuple(torch.empty((rows, k_new), dtype=torch.float32, device=device) for _ in range(3))
-        if stay_dst.numel():
-            for new_t, old_t in zip(new_compact, m.compact):
-                new_t[:, stay_dst] = old_t.index_select(1, stay_src)
-        n = joining.numel()
-        if n:
-            for new_t in new_compact:
-                new_t[:, join_dst] = join_dev[jo : jo + rows * n].view(rows, n)
-                jo += rows * n
-            m.col_step[joining_dev] = join_dev[jo : jo + n].view(torch.int32)
-            jo += n
+            size = n * packed(m, (k_new, leaving, joining, mode))
+            stage = join_host[jo : jo + size] if join_host is not None else _staging(size, device)
+            jo += size
+            blocks = [stage[j * rows * n : (j + 1) * rows * n].view(rows, n) for j in range(3 if size > n else 0)]
+            for block, t in zip(blocks, m.host):
+                torch.index_select(t, 1, joining, out=block)
+            torch.index_select(m.host_col_step, 0, joining, out=stage[size - n :].view(torch.int32))
+            if mode == _DIRECT:  # the step counts alone to the device; the blocks go straight into place below
+                m.col_step[joining_dev] = _to_device(stage[size - n :], device).view(torch.int32)
+            else:
+                join_dev = _to_device(stage, device)
+                joined = [join_dev[j * rows * n : (j + 1) * rows * n].view(rows, n) for j in range(len(blocks))]
+                m.col_step[joining_dev] = join_dev[size - n :].view(torch.int32)
+                del join_dev
+        if mode == _KEEP:
+            new_compact = m.compact
+        elif mode == _IN_PLACE:
+            new_compact = m.compact
+            for t, join_t in zip(new_compact, joined or (None,) * 3):
+                _permute_in_place(t, inplace_src, chunk, join_dst, join_t)
+        elif mode == _DIRECT:
+            # The old tensors are read no more (their leaving columns are gathered): reuse them when k is unchanged.
+            new_compact = m.compact if _reusable(m.compact, k_new) else tuple(
+                torch.empty((rows, k_new), dtype=torch.float32, device=device) for _ in range(3))
+            for j, (new_t, host_t) in enumerate(zip(new_compact, m.host)):
+                if device.type == "cpu":
+                    torch.index_select(host_t, 1, joining, out=new_t)
+                else:  # from the pinned stage, which outlives the copy (the synchronization below)
+                    new_t.copy_(blocks[j], non_blocking=True)
+        else:
+            new_compact = tuple(torch.empty((rows, k_new), dtype=torch.float32, device=device) for _ in range(3))
+            if stay_dst.numel():
+                for new_t, old_t in zip(new_compact, m.compact):
+                    new_t[:, stay_dst] = old_t.index_select(1, stay_src)
+            for new_t, join_t in zip(new_compact, joined):
+                new_t[:, join_dst] = join_t
+        del joined
         per_column = 3 * rows * 4 + 4
         out.append((new_compact, leaving.numel() * per_column, n * per_column, leaving.numel() + n))
 
-    if device.type == "cuda":
+    if leave_host is not None:
         # Once, for everything above: the leaving columns must have reached the host before they are written into
         # the host arrays below, and the pinned buffers must outlive the copies that read them.
         torch.cuda.current_stream(device).synchronize()
-    lo = 0
-    for m, (_, leaving, _, _) in zip(moves, plans):
-        rows, n = m.compact[0].shape[0], leaving.numel()
-        if n:
-            for host_t in m.host:
-                host_t[:, leaving] = leave_host[lo : lo + rows * n].view(rows, n)
-                lo += rows * n
-            m.host_col_step[leaving] = leave_host[lo : lo + n].view(torch.int32)
-            lo += n
+        lo = 0
+        for m, (_, leaving, _, _) in zip(moves, plans):
+            size = leaving.numel() * (3 * m.compact[0].shape[0] + 1)
+            if size:
+                _write_leaving(m, leaving, leave_host[lo : lo + size])
+                lo += size
     return out
