@@ -77,13 +77,17 @@ def default_cpu_threads(device: torch.device | None) -> int:
 
 
 def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tuple[str, str]:
-    """Where the window sums live ("device" or "host") and why: ``config.accumulate``, or for "auto" the rule of
+    """Where the window sums live ("device" or "host") and why: ``config.accumulate``, or for "auto" "host" with
+    ``grads_in_backward``, else the rule of
     :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's figures. Called once, at the
     first step (the model is built and has run a forward and a backward), before any device buffer of the
     optimizer exists. ``params``: the offloaded parameters stepping first."""
     choice = config.accumulate
     if choice != "auto":
         return choice, f"accumulate={choice!r} was given"
+    if config.grads_in_backward:
+        # A gradient captured in backward is held on the host until step() (config.py): only "host" can hold it.
+        return "host", "grads_in_backward"
     from .autotune.placement import place_accumulation
     from .sharding import local
 

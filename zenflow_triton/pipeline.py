@@ -259,11 +259,7 @@ class Pipeline:
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         if self.accumulate is None:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
-            if self.config.grads_in_backward and self.config.accumulate == "auto":
-                # Captured gradients are held on the host until step() (config.py): only "host" can hold them.
-                self.accumulate, self.accumulate_reason = "host", "grads_in_backward"
-            else:
-                self.accumulate, self.accumulate_reason = place_sums(params, self.config)
+            self.accumulate, self.accumulate_reason = place_sums(params, self.config)
             if self.accumulate == "host":
                 self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
