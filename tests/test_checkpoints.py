@@ -8,19 +8,12 @@ import time
 
 import pytest
 import torch
-from test_optimizer import MIN_OFFLOAD, Net, loss_fn
+from test_optimizer import MIN_OFFLOAD, Net, train_steps
 
 import zenflow_triton.pipeline as zpipe
 from zenflow_triton import ZenFlowAdamW
 
 KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=3, select_interval=6, min_offload_numel=MIN_OFFLOAD)
-
-
-def _train(model: Net, opt: torch.optim.Optimizer, steps: range) -> None:
-    for i in steps:
-        opt.zero_grad()
-        loss_fn(model, i).backward()
-        opt.step()
 
 
 def _snapshot(model: Net, opt: ZenFlowAdamW) -> tuple[list[torch.Tensor], dict]:
@@ -43,11 +36,11 @@ def _bad_state_dicts(good: dict) -> list[tuple[str, dict]]:
     out = []
     sgd_model = Net()
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
-    _train(sgd_model, sgd, range(2))
+    train_steps(sgd_model, sgd, range(2))
     out.append(("saved neither by a ZenFlowAdamW", sgd.state_dict()))
     other = Net()
     other_opt = ZenFlowAdamW(other.parameters(), **{**KNOBS, "min_offload_numel": 10**6})
-    _train(other, other_opt, range(2))
+    train_steps(other, other_opt, range(2))
     out.append(("min_offload_numel", other_opt.state_dict()))
     other_opt.close()
     last = max(good["state"])  # the last parameter's state is bad: the earlier ones must not have been loaded
@@ -87,7 +80,7 @@ def test_failed_load_changes_nothing_and_training_goes_on(overlap: bool) -> None
     """overlap=False makes fp32 parameters their own host master: a partial load used to write into the model."""
     donor = Net()
     donor_opt = ZenFlowAdamW(donor.parameters(), overlap=overlap, **KNOBS)
-    _train(donor, donor_opt, range(5))
+    train_steps(donor, donor_opt, range(5))
     good = copy.deepcopy(donor_opt.state_dict())
     donor_opt.close()
     # Different values than the optimizer under test, so that a partial load would show.
@@ -100,17 +93,17 @@ def test_failed_load_changes_nothing_and_training_goes_on(overlap: bool) -> None
 
     reference = Net()
     ref_opt = ZenFlowAdamW(reference.parameters(), overlap=overlap, **KNOBS)
-    _train(reference, ref_opt, range(7))
+    train_steps(reference, ref_opt, range(7))
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), overlap=overlap, **KNOBS)
-    _train(model, opt, range(4))
+    train_steps(model, opt, range(4))
     for words, bad in _bad_state_dicts(good):
         before = _snapshot(model, opt)
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             opt.load_state_dict(bad)
         _assert_same(before, _snapshot(model, opt))
-    _train(model, opt, range(4, 7))
+    train_steps(model, opt, range(4, 7))
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a, b)
     opt.close()
@@ -120,7 +113,7 @@ def test_failed_load_changes_nothing_and_training_goes_on(overlap: bool) -> None
 def test_moments_saved_in_another_float_dtype_are_converted() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS)
-    _train(model, opt, range(4))
+    train_steps(model, opt, range(4))
     sd = copy.deepcopy(opt.state_dict())
     wide = copy.deepcopy(sd)
     for st in wide["state"].values():
@@ -136,7 +129,7 @@ def test_moments_saved_in_another_float_dtype_are_converted() -> None:
         for st in o.state.values():
             assert st["exp_avg"].dtype == torch.float32
             assert st.get("host_exp_avg", st["exp_avg"]).dtype == torch.float32
-        _train(m, o, range(4, 8))
+        train_steps(m, o, range(4, 8))
         runs.append([p.detach().clone() for p in m.parameters()])
         o.close()
     for a, b in zip(*runs):
@@ -165,14 +158,14 @@ def test_state_mover_changes_nothing(overlap: bool, monkeypatch) -> None:
     monkeypatch.setattr(zpipe, "run_host_job", slow)
     straight = Net()
     straight_opt = ZenFlowAdamW(straight.parameters(), overlap=overlap, **KNOBS)
-    _train(straight, straight_opt, range(12))
+    train_steps(straight, straight_opt, range(12))
     straight_opt.close()  # applies the last window's host result
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), overlap=overlap, **KNOBS)
-    _train(model, opt, range(3))  # a window end: with overlap its host job is still running
+    train_steps(model, opt, range(3))  # a window end: with overlap its host job is still running
     _move_state(opt)
-    _train(model, opt, range(3, 7))
+    train_steps(model, opt, range(3, 7))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     opt.close()
 
@@ -181,7 +174,7 @@ def test_state_mover_changes_nothing(overlap: bool, monkeypatch) -> None:
     opt = ZenFlowAdamW(resumed.parameters(), overlap=overlap, **KNOBS)
     opt.load_state_dict(ckpt["opt"])
     _move_state(opt)  # after loading a checkpoint, as Lightning does
-    _train(resumed, opt, range(7, 12))
+    train_steps(resumed, opt, range(7, 12))
     opt.close()
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)

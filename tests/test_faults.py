@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from test_optimizer import MIN_OFFLOAD, Net, loss_fn
+from test_optimizer import MIN_OFFLOAD, Net, loss_fn, train_steps
 from torch import nn
 
 import zenflow_triton.checkpoint as zckpt
@@ -27,13 +27,6 @@ KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_
 def _host_kernels_loaded():
     """Load the numba host kernels first, so that no short worker_timeout below is spent on their loading."""
     zpipe.compile_host_kernels()
-
-
-def _train(model: nn.Module, opt: ZenFlowAdamW, steps: range) -> None:
-    for i in steps:
-        opt.zero_grad()
-        loss_fn(model, i).backward()
-        opt.step()
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -68,7 +61,7 @@ def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(mo
                        overlap=False, worker_timeout=0.3)
     saved = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError, match="worker_timeout"):
-        _train(model, opt, range(1))
+        train_steps(model, opt, range(1))
     model.load_state_dict(saved)  # the user restores the model, as after any failed step
     time.sleep(1.5)  # the late job has finished by now
     assert _same_tensors(model.state_dict(), saved), "a job cancelled by its timeout wrote into the parameters"
@@ -91,7 +84,7 @@ def test_close_after_a_hung_job_returns_within_the_timeout_and_says_so(monkeypat
     release = _hang_host_jobs(monkeypatch)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, worker_timeout=0.5)
-    _train(model, opt, range(2))  # overlap: the window's job is in flight, hung
+    train_steps(model, opt, range(2))  # overlap: the window's job is in flight, hung
     worker = opt._pipeline.worker
     start = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
@@ -111,7 +104,7 @@ def test_close_after_a_step_timed_out_returns_at_once(monkeypatch) -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, overlap=False, worker_timeout=0.5)
     with pytest.raises(RuntimeError, match="worker_timeout"):
-        _train(model, opt, range(2))
+        train_steps(model, opt, range(2))
     start = time.perf_counter()
     opt.close()
     assert time.perf_counter() - start < 1.5
@@ -140,7 +133,7 @@ def _oom_on_call(n: int, original, partial=None):
 def test_out_of_memory_while_state_is_built_changes_nothing_and_a_retry_works(monkeypatch, where: str) -> None:
     reference = Net()
     ref_opt = ZenFlowAdamW(reference.parameters(), **KNOBS)
-    _train(reference, ref_opt, range(5))
+    train_steps(reference, ref_opt, range(5))
     ref_opt.flush()
 
     model = Net()
@@ -161,7 +154,7 @@ def test_out_of_memory_while_state_is_built_changes_nothing_and_a_retry_works(mo
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     monkeypatch.undo()  # memory was freed: the retry succeeds and trains as if nothing had happened
     opt.step()
-    _train(model, opt, range(1, 5))
+    train_steps(model, opt, range(1, 5))
     opt.flush()
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     opt.close()
@@ -187,13 +180,13 @@ def test_out_of_memory_at_the_first_step_still_closes(monkeypatch) -> None:
 def test_out_of_memory_inside_load_state_dict_changes_nothing(monkeypatch, where: str, overlap: bool) -> None:
     source = Net()
     src_opt = ZenFlowAdamW(source.parameters(), **KNOBS, overlap=overlap)
-    _train(source, src_opt, range(5))  # mid-window
+    train_steps(source, src_opt, range(5))  # mid-window
     sd = copy.deepcopy(src_opt.state_dict())
     model_sd = copy.deepcopy(source.state_dict())
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **KNOBS, overlap=overlap)
-    _train(model, opt, range(20, 23))  # its own, different state
+    train_steps(model, opt, range(20, 23))  # its own, different state
     before_sd = copy.deepcopy(opt.state_dict())
     before_params = _params(model)
     before_groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
@@ -214,8 +207,8 @@ def test_out_of_memory_inside_load_state_dict_changes_nothing(monkeypatch, where
     sd["param_groups"][0]["lr"] = KNOBS["lr"]
     model.load_state_dict(model_sd)
     opt.load_state_dict(sd)
-    _train(model, opt, range(5, 9))
-    _train(source, src_opt, range(5, 9))
+    train_steps(model, opt, range(5, 9))
+    train_steps(source, src_opt, range(5, 9))
     opt.flush()
     src_opt.flush()
     assert all(torch.equal(a, b) for a, b in zip(source.parameters(), model.parameters()))
@@ -232,7 +225,7 @@ def test_out_of_memory_inside_load_state_dict_changes_nothing(monkeypatch, where
 def test_replaced_parameter_storage_is_a_clear_error_at_the_step_and_close_works(new_shape, overlap: bool) -> None:
     model = Net()
     opt = ZenFlowAdamW(model.named_parameters(), **KNOBS, overlap=overlap)
-    _train(model, opt, range(3))
+    train_steps(model, opt, range(3))
     name = "fc1.bias" if len(new_shape) == 1 else "fc1.weight"
     p = dict(model.named_parameters())[name]
     saved_shape = tuple(p.shape)
@@ -260,7 +253,7 @@ def test_replaced_parameter_storage_is_a_clear_error_at_the_step_and_close_works
 def test_an_unusable_resident_gradient_is_refused_before_anything_changes() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.named_parameters(), **KNOBS)
-    _train(model, opt, range(3))
+    train_steps(model, opt, range(3))
     before_sd = copy.deepcopy(opt.state_dict())
     opt.zero_grad()
     loss_fn(model, 3).backward()

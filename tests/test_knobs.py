@@ -10,18 +10,11 @@ import math
 
 import pytest
 import torch
-from test_optimizer import MIN_OFFLOAD, Net, loss_fn
+from test_optimizer import MIN_OFFLOAD, Net, train_steps
 
 from zenflow_triton import ZenFlowAdamW
 
 BASE = dict(lr=2e-2, min_offload_numel=MIN_OFFLOAD)
-
-
-def _train(model, opt, steps: range) -> None:
-    for i in steps:
-        opt.zero_grad()
-        loss_fn(model, i).backward()
-        opt.step()
 
 
 def _knobs(opt) -> tuple:
@@ -32,7 +25,7 @@ def _knobs(opt) -> tuple:
 def test_the_checkpoints_knobs_win_and_the_load_logs_each_change(caplog) -> None:
     source = Net()
     src = ZenFlowAdamW(source.parameters(), **BASE, topk_ratio=0.1, update_interval=4)
-    _train(source, src, range(6))
+    train_steps(source, src, range(6))
     sd, model_sd = copy.deepcopy(src.state_dict()), copy.deepcopy(source.state_dict())
 
     model = Net()
@@ -47,8 +40,8 @@ def test_the_checkpoints_knobs_win_and_the_load_logs_each_change(caplog) -> None
         assert change in message
     assert "set_knobs" in message  # says how to change them
     assert _knobs(opt) == (0.1, 4, 32)
-    _train(model, opt, range(6, 14))
-    _train(source, src, range(6, 14))
+    train_steps(model, opt, range(6, 14))
+    train_steps(source, src, range(6, 14))
     opt.flush()
     src.flush()
     assert all(torch.equal(a, b) for a, b in zip(source.parameters(), model.parameters()))
@@ -72,12 +65,12 @@ def test_set_knobs_takes_effect_at_the_next_window_and_selection(changes, overla
     knobs = dict(**BASE, topk_ratio=0.1, update_interval=4, overlap=overlap)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **knobs)
-    _train(model, opt, range(6))  # mid-window (two steps of a four-step window open)
+    train_steps(model, opt, range(6))  # mid-window (two steps of a four-step window open)
     opt.set_knobs(**changes)
 
     ref_model = Net()
     ref = ZenFlowAdamW(ref_model.parameters(), **knobs)
-    _train(ref_model, ref, range(6))
+    train_steps(ref_model, ref, range(6))
     if "update_interval" in changes:
         ref.flush()  # set_knobs ends the open window when U changes
     sd = copy.deepcopy(ref.state_dict())
@@ -96,8 +89,8 @@ def test_set_knobs_takes_effect_at_the_next_window_and_selection(changes, overla
     assert _knobs(opt) == tuple(new.values())
     windows = opt.stats()["windows"]
     steps = range(6, 7 + new["select_interval"])  # schedule steps 7 .. S + 7: one selection at least
-    _train(model, opt, steps)
-    _train(ref_model, ref, steps)
+    train_steps(model, opt, steps)
+    train_steps(ref_model, ref, steps)
     # The new U is the window length, the new r the selected fraction.
     assert opt.stats()["windows"] - windows == sum((i + 1) % u == 0 for i in steps)
     opt.flush()
@@ -114,7 +107,7 @@ def test_set_knobs_takes_effect_at_the_next_window_and_selection(changes, overla
 def test_set_knobs_refuses_bad_values_and_changes_nothing() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **BASE, topk_ratio=0.1, update_interval=4, select_interval=8)
-    _train(model, opt, range(3))
+    train_steps(model, opt, range(3))
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match="Invalid update_interval"):
         opt.set_knobs(update_interval=0)

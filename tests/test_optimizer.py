@@ -57,6 +57,14 @@ def loss_fn(model: nn.Module, i: int) -> torch.Tensor:
     return (model(x.to(p.device)) - y.to(p.device)).float().pow(2).mean()
 
 
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """The torch.optim loop over ``steps``: zero_grad, backward of step i's loss, step."""
+    for i in steps:
+        opt.zero_grad()
+        loss_fn(model, i).backward()
+        opt.step()
+
+
 def offloaded(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.dim() >= 2 and p.numel() >= MIN_OFFLOAD]
 

@@ -10,20 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_optimizer import MIN_OFFLOAD, Net, loss_fn
+from test_optimizer import MIN_OFFLOAD, Net, train_steps
 from torch import nn
 
 import zenflow_triton.pipeline as zpipe
 from zenflow_triton import ZenFlowAdamW
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def _train(model, opt, steps: range) -> None:
-    for i in steps:
-        opt.zero_grad()
-        loss_fn(model, i).backward()
-        opt.step()
 
 
 def test_per_step_views(monkeypatch) -> None:
@@ -39,7 +32,7 @@ def test_per_step_views(monkeypatch) -> None:
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, overlap=False,
                        min_offload_numel=MIN_OFFLOAD)
     assert opt.stats()["ms_per_step"] == 0.0 and opt.stats()["stall_ms_per_step"] == 0.0  # no step yet
-    _train(model, opt, range(6))
+    train_steps(model, opt, range(6))
     st = opt.stats()
     assert st["ms_per_step"] == pytest.approx(1e3 * (st["device_opt_s"] + st["stall_s"]) / st["steps"])
     assert st["stall_ms_per_step"] == pytest.approx(1e3 * st["stall_s"] / st["steps"])
@@ -59,7 +52,7 @@ def _documented_keys() -> set[str]:
 def test_every_stats_key_is_in_the_readme_table() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
-    _train(model, opt, range(3))
+    train_steps(model, opt, range(3))
     missing = set(opt.stats()) - _documented_keys()
     opt.close()
     assert not missing, f"stats() keys without a row in README's stats table: {sorted(missing)}"
