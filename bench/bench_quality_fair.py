@@ -4,6 +4,7 @@ Markdown it writes, the summary's arithmetic on hand-made numbers, and the spike
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from importlib import resources
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import quality_fair
+import torch
+from late_adamw import LateAdamW
 
+from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import DEFAULT_TABLE, load_quality_table
 
 
@@ -128,3 +132,75 @@ def test_spike_sees_a_rise_after_the_start_not_the_descent() -> None:
     assert 0.3 < quality_fair.spike(bumped) < 0.45
     diverged = falling[:500] + [math.nan] * 500
     assert quality_fair.spike(diverged) == math.inf
+
+
+def _late_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Tanh(), torch.nn.Linear(80, 1))
+
+
+def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 64, generator=gen)
+    return (model(x) - 1.0).square().mean()
+
+
+def test_late_adamw_is_adamw_with_the_offloadable_matrices_one_update_late() -> None:
+    model = _late_model()
+    opt = LateAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    assert opt.late == [True, False, False, False]  # [80, 64] offloads (5120 >= 4096); [1, 80] and biases do not
+    ref = copy.deepcopy(model)  # torch AdamW given LateAdamW's gradients: the masters' trajectory
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(1, 6):
+        _loss(model, step).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        before = [q.detach().clone() for q in ref.parameters()]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        masters = opt.param_groups[0]["params"]
+        for late, p, m, q, old in zip(opt.late, model.parameters(), masters, ref.parameters(), before):
+            assert torch.equal(m, q)  # the masters are AdamW's own
+            assert torch.equal(p, old if late else q)  # the offloadable matrix lags by exactly one update
+            assert late == (step > 0 and not torch.equal(p, q))
+    opt.flush()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_zenflow_overlap_with_one_step_host_windows_is_late_adamw() -> None:
+    # topk_ratio=0, update_interval=1, overlap=True: every column is a one-step host window applied one step late,
+    # which is LateAdamW's schedule; the host kernel's sqrt and fma round within an ulp of torch's (DESIGN §3).
+    model, twin = _late_model(), _late_model()
+    late = LateAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    zen = ZenFlowAdamW(twin.parameters(), lr=1e-2, weight_decay=0.01, topk_ratio=0.0, update_interval=1,
+                       overlap=True, cpu_threads=1)
+    try:
+        for step in range(1, 9):
+            for m, o in ((model, late), (twin, zen)):
+                _loss(m, step).backward()
+                o.step()
+                o.zero_grad()
+            for p, q in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(model[0].weight, late.param_groups[0]["params"][0])  # it is one update behind
+        late.flush()
+        zen.flush()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    finally:
+        zen.close()
+
+
+def test_smoke_run_with_the_late_reference(tmp_path: Path) -> None:
+    out = tmp_path / "late"
+    assert quality_fair.main(["--smoke", "--out", str(out), "--scales", "1", "--overlaps", "on", "--late",
+                              "--tasks", "scratch"]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert [c["name"] for c in doc["configs"]] == ["AdamW", quality_fair.LATE, "ZenFlow overlap s=1"]
+    runs = doc["runs"]["scratch"]
+    assert runs[quality_fair.LATE]["0.001"]["1"]["loss"] != runs["AdamW"]["0.001"]["1"]["loss"]
+    rows = quality_fair.summarize(doc)["scratch"]["configs"]
+    assert rows["AdamW"]["best_to_best"] == 1.0 and quality_fair.LATE in rows
+    assert quality_fair.host_scale_entries(doc, quality_fair.summarize(doc)) == []  # a reference, not a scale

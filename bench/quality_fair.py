@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from late_adamw import LateAdamW
 
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import QualityTable
@@ -66,6 +67,7 @@ __all__ = ["Task", "Config", "tasks", "configs", "measure", "add_runs", "summari
 
 WEIGHT_DECAY = 0.01
 BATCH = 8
+LATE = "AdamW one update late"  # the name of the --late reference
 SMOKE = os.environ.get("ZENFLOW_BENCH_SMOKE", "0") not in ("", "0")
 
 
@@ -87,10 +89,12 @@ class Config:
     host_lr_scale: float = 1.0
     warmup_steps: int = 0
     select_interval: int | None = None  # None: 8 U (the default)
+    late: bool = False  # torch AdamW with the offloadable matrices one update late (bench/late_adamw.py)
 
     @property
     def is_adamw(self) -> bool:
-        return self.overlap is None
+        """The baseline: torch.optim.AdamW as it is."""
+        return self.overlap is None and not self.late
 
 
 def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3),
@@ -109,10 +113,11 @@ def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3
 
 
 def configs(scales: Sequence[float], warmups: Sequence[int] = (0,),
-            select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False)) -> list[Config]:
-    """AdamW, then ZenFlow at every overlap x scale x warm-up x select_interval; a knob at its default is left out
-    of the name (so names match older results)."""
-    out = [Config("AdamW")]
+            select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False),
+            late: bool = False) -> list[Config]:
+    """AdamW (and with ``late`` AdamW one update late), then ZenFlow at every overlap x scale x warm-up x
+    select_interval; a knob at its default is left out of the name (so names match older results)."""
+    out = [Config("AdamW")] + ([Config(LATE, late=True)] if late else [])
     for overlap in overlaps:
         for s in scales:
             for w in warmups:
@@ -161,6 +166,8 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
         model.load_state_dict(start)
     if config.is_adamw:
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+    elif config.late:
+        opt = LateAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     else:
         opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
                            update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
@@ -169,7 +176,7 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
     try:
         sched = _schedule(opt, task.steps) if task.schedule else None
         losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
-        if isinstance(opt, ZenFlowAdamW):
+        if isinstance(opt, (ZenFlowAdamW, LateAdamW)):
             opt.flush()  # overlap=True: the last window's host result reaches the model one window late
         return evaluate(model, data[1]), losses
     finally:
@@ -441,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--select-intervals", type=int, nargs="+", default=[0],
                         help="select_interval values (0: the default, 8 U)")
     parser.add_argument("--overlaps", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--late", action="store_true",
+                        help=f"also run '{LATE}': torch AdamW whose offloadable matrices hold the master of one update "
+                             "before (bench/late_adamw.py), the staleness of overlap=True alone")
     parser.add_argument("--add-to", type=Path, metavar="JSON",
                         help="measure only the runs of AdamW and the configurations given (--scales x --warmups x "
                              "--select-intervals x --overlaps) that JSON lacks, on its seeds and on --tasks (default "
@@ -471,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
-    wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps])
+    wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps], args.late)
     if args.add_to is not None:
         doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
                        add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)
