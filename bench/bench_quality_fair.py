@@ -204,3 +204,20 @@ def test_smoke_run_with_the_late_reference(tmp_path: Path) -> None:
     rows = quality_fair.summarize(doc)["scratch"]["configs"]
     assert rows["AdamW"]["best_to_best"] == 1.0 and quality_fair.LATE in rows
     assert quality_fair.host_scale_entries(doc, quality_fair.summarize(doc)) == []  # a reference, not a scale
+
+
+def test_add_to_after_a_new_lowest_lr_without_adamw(tmp_path: Path) -> None:
+    # --skip-adamw at a new lowest lr leaves AdamW without runs at the grid's first lr: a later --add-to must find
+    # AdamW's seeds and its rerun cell at an lr it was run at.
+    one, two, three = (tmp_path / n for n in ("one", "two", "three"))
+    assert quality_fair.main(["--smoke", "--out", str(one), "--scales", "1", "--overlaps", "on",
+                              "--tasks", "scratch"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(two), "--add-to", str(one.with_suffix(".json")), "--scales",
+                              "1", "--overlaps", "on", "--add-lrs", "1e-4", "--at-lrs", "1e-4", "--skip-adamw"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(three), "--add-to", str(two.with_suffix(".json")),
+                              "--scales", "3", "--overlaps", "on"]) == 0
+    assert "0.0001" not in json.loads(two.with_suffix(".json").read_text())["runs"]["scratch"]["AdamW"]
+    runs = json.loads(three.with_suffix(".json").read_text())["runs"]["scratch"]
+    # The third run, without --skip-adamw, fills AdamW in where it lacks runs.
+    assert set(runs["AdamW"]) == set(runs["ZenFlow overlap s=1"]) == {"0.0001", "0.0005", "0.001"}
+    assert set(runs["ZenFlow overlap s=3"]) == {"0.0001", "0.0005", "0.001"}

@@ -523,7 +523,9 @@ def add_runs(prev: dict, wanted: Sequence[Config], *, command: str, task_names: 
             doc["runs"].setdefault(t["name"], {}).setdefault(c["name"], {})
     task_list = [Task(**dict(t, lrs=tuple(t["lrs"]))) for t in doc["tasks"] if t["name"] in names]
     adamw = doc["configs"][0]["name"]
-    old_lr = {t["name"]: f"{t['lrs'][0]:g}" for t in prev["tasks"]}
+    # An lr AdamW was run at (the grid may have gained lrs it was skipped at: --skip-adamw).
+    old_lr = {t["name"]: next(k for k in (f"{x:g}" for x in t["lrs"]) if prev["runs"][t["name"]][adamw].get(k))
+              for t in prev["tasks"]}
     seeds = {t.name: sorted(int(s) for s in prev["runs"][t.name][adamw][old_lr[t.name]]) for t in task_list}
     run_names = {c.name for c in wanted if adamw_runs or not c.is_adamw}
     at = None if at_lrs is None else {f"{x:g}" for x in at_lrs}
