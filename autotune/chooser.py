@@ -247,7 +247,7 @@ def plan(
     if scale_line:
         lines.append(scale_line)
     lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
-                 "not a guarantee (pass your own table)")
+                 "not a guarantee (pass your own table; from scratch loses more: README, Training quality)")
     if workload.device == "cpu":
         lines.append("CPU tensors: the training compute and the host worker share cores, which the model ignores")
     if profile.quick:
