@@ -221,3 +221,15 @@ def test_add_to_after_a_new_lowest_lr_without_adamw(tmp_path: Path) -> None:
     # The third run, without --skip-adamw, fills AdamW in where it lacks runs.
     assert set(runs["AdamW"]) == set(runs["ZenFlow overlap s=1"]) == {"0.0001", "0.0005", "0.001"}
     assert set(runs["ZenFlow overlap s=3"]) == {"0.0001", "0.0005", "0.001"}
+
+
+def test_smoke_run_with_overlap_steps(tmp_path: Path) -> None:
+    out = tmp_path / "k"
+    assert quality_fair.main(["--smoke", "--out", str(out), "--scales", "1", "--overlap-steps", "0", "1",
+                              "--tasks", "scratch"]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert [c["name"] for c in doc["configs"]] == ["AdamW", "ZenFlow overlap s=1", "ZenFlow overlap s=1 K=1",
+                                                   "ZenFlow sequential s=1"]  # without overlap there is no K
+    runs = doc["runs"]["scratch"]
+    assert runs["ZenFlow overlap s=1 K=1"]["0.001"]["1"]["loss"] != runs["ZenFlow overlap s=1"]["0.001"]["1"]["loss"]
+    assert quality_fair.host_scale_entries(doc, quality_fair.summarize(doc)) == []

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -90,6 +91,7 @@ class Config:
     warmup_steps: int = 0
     select_interval: int | None = None  # None: 8 U (the default)
     late: bool = False  # torch AdamW with the offloadable matrices one update late (bench/late_adamw.py)
+    overlap_steps: int | None = None  # None: U (the default)
 
     @property
     def is_adamw(self) -> bool:
@@ -114,17 +116,16 @@ def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3
 
 def configs(scales: Sequence[float], warmups: Sequence[int] = (0,),
             select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False),
-            late: bool = False) -> list[Config]:
+            late: bool = False, overlap_steps: Sequence[int | None] = (None,)) -> list[Config]:
     """AdamW (and with ``late`` AdamW one update late), then ZenFlow at every overlap x scale x warm-up x
-    select_interval; a knob at its default is left out of the name (so names match older results)."""
+    select_interval x overlap_steps (overlap only); a knob at its default is left out of the name (so names match
+    older results)."""
     out = [Config("AdamW")] + ([Config(LATE, late=True)] if late else [])
-    for overlap in overlaps:
-        for s in scales:
-            for w in warmups:
-                for sel in select_intervals:
-                    name = (f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}" + (f" warm={w}" if w else "")
-                            + (f" S={sel}" if sel else ""))
-                    out.append(Config(name, overlap, float(s), int(w), sel or None))
+    for overlap, s, w, sel in itertools.product(overlaps, scales, warmups, select_intervals):
+        for k in overlap_steps if overlap else (None,):
+            name = (f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}" + (f" warm={w}" if w else "")
+                    + (f" S={sel}" if sel else "") + (f" K={k}" if k else ""))
+            out.append(Config(name, overlap, float(s), int(w), sel or None, overlap_steps=k or None))
     return out
 
 
@@ -172,7 +173,7 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
         opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
                            update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
                            host_lr_scale=config.host_lr_scale, warmup_steps=config.warmup_steps,
-                           select_interval=config.select_interval)
+                           select_interval=config.select_interval, overlap_steps=config.overlap_steps)
     try:
         sched = _schedule(opt, task.steps) if task.schedule else None
         losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
@@ -336,7 +337,8 @@ def host_scale_entries(doc: dict, summary: dict) -> list[dict]:
     :data:`SPIKE_TOLERANCE` of 1.0's)."""
     entries = []
     tasks = [t["name"] for t in doc["tasks"] if t["name"] in summary]
-    plain = [c for c in doc["configs"] if not c.get("warmup_steps") and not c.get("select_interval")]
+    plain = [c for c in doc["configs"]
+             if not c.get("warmup_steps") and not c.get("select_interval") and not c.get("overlap_steps")]
     for c in plain:
         if c["overlap"] is None or c["host_lr_scale"] == 1.0:
             continue
@@ -448,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--select-intervals", type=int, nargs="+", default=[0],
                         help="select_interval values (0: the default, 8 U)")
     parser.add_argument("--overlaps", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--overlap-steps", type=int, nargs="+", default=[0],
+                        help="overlap_steps values for the overlap configurations (0: the default, U; in a name K=N)")
     parser.add_argument("--late", action="store_true",
                         help=f"also run '{LATE}': torch AdamW whose offloadable matrices hold the master of one update "
                              "before (bench/late_adamw.py), the staleness of overlap=True alone")
@@ -481,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
-    wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps], args.late)
+    wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps], args.late,
+                     args.overlap_steps)
     if args.add_to is not None:
         doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
                        add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)

@@ -81,7 +81,8 @@ class Simulation:
     It assumes some parameter ends a window at every window end (so pending host results are applied there)."""
 
     def __init__(self, p: torch.Tensor, *, r: float, interval: int, select: int, warmup: int, overlap: bool,
-                 decoupled: bool = True, grad_dtype: torch.dtype = torch.float32, host_lr_scale: float = 1.0) -> None:
+                 decoupled: bool = True, grad_dtype: torch.dtype = torch.float32, host_lr_scale: float = 1.0,
+                 overlap_steps: int | None = None) -> None:
         self.rows = p.shape[0]
         self.cols = p.numel() // self.rows
         self.dtype = p.dtype
@@ -100,6 +101,7 @@ class Simulation:
         self.overlap, self.decoupled = overlap, decoupled
         self.grad_dtype = grad_dtype  # the host receives the window's sum rounded to this dtype
         self.host_lr_scale = host_lr_scale  # windows after warm-up step with lr * this (warm-up does not use them)
+        self.overlap_steps = overlap_steps  # with overlap: a result reaches w this many steps after its window end
         self.snapshot: torch.Tensor | None = None
 
     def _adam(self, cols: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float, eps: float, wd: float):
@@ -137,6 +139,11 @@ class Simulation:
         self.acc.zero_()
         self.n = 0
 
+    def _merge_due(self, tau: int) -> None:
+        """``overlap_steps`` K < U: the pending result reaches ``w`` K steps after its window end."""
+        if self.overlap and self.overlap_steps is not None and tau >= 1 and tau % self.interval == self.overlap_steps:
+            self.flush()
+
     def flush_all(self, lr: float, b1: float, b2: float, eps: float, wd: float) -> None:
         """``optimizer.flush()``: pending results applied, and the open window ended early with what it holds."""
         self.flush()
@@ -152,6 +159,7 @@ class Simulation:
                 if self.overlap:
                     self.flush()
                 self._end_window(lr, b1, b2, eps, wd, late=self.overlap)
+            self._merge_due(tau)
             return
         g = grad.reshape(self.rows, self.cols).float()
         self.score += g.double().pow(2).sum(0)
@@ -176,26 +184,29 @@ class Simulation:
             if self.overlap:
                 self.flush()
             self._end_window(lr, b1, b2, eps, wd, late=self.overlap)
+        self._merge_due(tau)
 
 
 def check_against_simulation(
     *, backend: str, overlap: bool, warmup: int, r: float, interval: int, select: int, steps: int,
     dtype: torch.dtype = torch.float32, opt_cls: type = ZenFlowAdamW, clip: float | None = None,
     device: str = "cpu", grad_dtype: str = "float32", accumulate: str = "auto", host_lr_scale: float = 1.0,
+    overlap_steps: int | None = None,
 ) -> ZenFlowAdamW:
     model = Net(dtype).to(device)
     twin = Net(dtype)  # resident params follow torch.optim.AdamW on an identical copy (on the CPU)
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = opt_cls(model.parameters(), **hp, topk_ratio=r, update_interval=interval, select_interval=select,
                   warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend,
-                  grad_dtype=grad_dtype, accumulate=accumulate, host_lr_scale=host_lr_scale)
+                  grad_dtype=grad_dtype, accumulate=accumulate, host_lr_scale=host_lr_scale,
+                  overlap_steps=overlap_steps)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     ref_cls = torch.optim.AdamW if opt_cls is ZenFlowAdamW else torch.optim.Adam
     resident_twin = [q for q in twin.parameters() if not (q.dim() >= 2 and q.numel() >= MIN_OFFLOAD)]
     ref = ref_cls(resident_twin, **hp, foreach=False)
     sims = {p: Simulation(p.detach().cpu(), r=r, interval=interval, select=select, warmup=warmup, overlap=overlap,
                           decoupled=opt_cls is ZenFlowAdamW, grad_dtype=getattr(torch, grad_dtype),
-                          host_lr_scale=host_lr_scale)
+                          host_lr_scale=host_lr_scale, overlap_steps=overlap_steps)
             for p in offloaded(model)}
     # fp32 state differs from the simulation only by rounding (it computes the same math in another order);
     # bf16 parameters may land one bf16 ulp apart when a master value sits near a rounding boundary.
