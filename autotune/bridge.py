@@ -115,6 +115,7 @@ def plan_for_optimizer(
     quality: QualityTable | str | Path | None = None,
     accumulate: str = "device",
     host_lr_scale: float | None = None,
+    overlap_steps: int | None = None,
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
 
@@ -129,6 +130,7 @@ def plan_for_optimizer(
     ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table). ``host_lr_scale``: the user's, or None to choose
     (from the quality table's measured entries, DESIGN §8). ``accumulate``: where the optimizer placed the window
     sums ("device" or "host"), which it decides before it plans: the prediction and the memory budget follow.
+    ``overlap_steps``: the user's (None: U), the steps each host job has to hide in.
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
@@ -168,6 +170,7 @@ def plan_for_optimizer(
     result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
                   cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
                   quality=table, profile_source=source, host_lr_scale=host_lr_scale, accumulate=accumulate,
+                  overlap_steps=overlap_steps,
                   relax_hint="fix topk_ratio and update_interval yourself to trade quality for speed "
                              "(`python -m zenflow_triton.autotune --max-loss-ratio` shows the trade)")
     logger.debug("zenflow_triton autotune plan (%s):\n%s", source, result.reason)

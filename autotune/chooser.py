@@ -128,6 +128,7 @@ def plan(
     relax_hint: str = "raise --max-loss-ratio to trade quality for speed",
     accumulate: str = "device",
     host_lr_scale: float | None = None,
+    overlap_steps: int | None = None,
 ) -> Plan:
     """Choose the settings the caller left as None; predict and explain the result.
 
@@ -143,7 +144,8 @@ def plan(
     is the table's :meth:`~.quality.QualityTable.host_lr_scale` at the chosen ``(r, U, overlap)``, else 1.0; a scale
     is only taken where it measured a lower loss than 1.0 on every task, so the predicted loss ratio (1.0's) stays
     an upper bound and the budget holds. ``accumulate``: where the window sum lives ("device" or "host";
-    :func:`plan_accumulate` chooses it), for the memory budget and the predictions.
+    :func:`plan_accumulate` chooses it), for the memory budget and the predictions. ``overlap_steps``: the user's
+    (DESIGN §3), which gives each job that many steps to hide in; only ``U >= overlap_steps`` is considered.
     """
     targets = targets or Targets()
     table = quality if quality is not None else default_quality_table()
@@ -168,15 +170,15 @@ def plan(
     if update_interval is not None:
         intervals = [int(update_interval)]
     else:
-        intervals = [u for u in range(1, targets.max_update_interval + 1)
-                     if select_interval is None or select_interval % u == 0] or [1]
+        intervals = [u for u in range(max(1, overlap_steps or 1), targets.max_update_interval + 1)
+                     if select_interval is None or select_interval % u == 0] or [max(1, overlap_steps or 1)]
 
     points = [
         _Point(pred, table.predict(r, u) if r > 0 else None)
         for r in ratios for u in intervals
         for pred in [predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=threads,
                              select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows,
-                             accumulate=accumulate)]
+                             accumulate=accumulate, overlap_steps=overlap_steps)]
     ]
     budget = targets.max_loss_ratio
     known = [p for p in points if p.loss is not None]
@@ -354,7 +356,8 @@ def plan_accumulate(profile: Profile, workload: Workload, *, accumulate: str = "
     targets = kwargs.get("targets") or Targets()
     modes = {m: predict(profile, workload, topk_ratio=pr.topk_ratio, update_interval=pr.update_interval,
                         cpu_threads=pr.cpu_threads, select_interval=pr.select_interval,
-                        overlap=kwargs.get("overlap", True), select_windows=targets.select_windows, accumulate=m)
+                        overlap=kwargs.get("overlap", True), select_windows=targets.select_windows, accumulate=m,
+                        overlap_steps=kwargs.get("overlap_steps"))
              for m in ACCUMULATE_MODES}
     host = modes["host"]
     u = pr.update_interval

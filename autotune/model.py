@@ -11,7 +11,8 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 - ``job_s``: what the worker does per window: ``cpu_s``, plus on CUDA the wait for the D2H it reads;
 - ``wait_s``: how long ``step()`` blocks on the host job, averaged over windows (what ``stats()`` counts as
   stall). With ``overlap=True`` a job runs while the next ``U`` steps compute, so it is exposed by
-  ``max(0, job_s - U * (T + dev_s))``; the flush at each selection step (every ``S`` steps) waits for a job
+  ``max(0, job_s - U * (T + dev_s))`` (``overlap_steps`` K < U: ``K * (T + dev_s)``, the steps before its result is
+  merged); the flush at each selection step (every ``S`` steps) waits for a job
   that has had one step to run, exposing ``max(0, job_s - (T + dev_s))`` once per ``S / U`` windows. With
   ``overlap=False`` every window waits for all of ``job_s``.
 - ``copy_s``: copy time on the training side that nothing hides: on CUDA the H2D (it runs on the compute
@@ -259,9 +260,11 @@ def predict(
     overlap: bool = True,
     select_windows: int = DEFAULT_SELECT_WINDOWS,
     accumulate: str = "device",
+    overlap_steps: int | None = None,
 ) -> Prediction:
     """Predicted per-window costs of running ``workload`` with these settings (formulas: module docstring);
-    ``accumulate``: where the window sum lives, "device" or "host"."""
+    ``accumulate``: where the window sum lives, "device" or "host"; ``overlap_steps``: with overlap, the steps a job
+    has before its result is merged (None: ``update_interval``)."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
     if not 0.0 <= topk_ratio <= 1.0:
@@ -270,6 +273,8 @@ def predict(
         raise ValueError(f"Invalid update_interval: {update_interval!r}")
     if cpu_threads < 1:
         raise ValueError(f"Invalid cpu_threads: {cpu_threads!r}")
+    if overlap_steps is not None and not 1 <= overlap_steps <= update_interval:
+        raise ValueError(f"Invalid overlap_steps: {overlap_steps!r} (1 to update_interval={update_interval})")
     s = select_interval if select_interval is not None else select_windows * update_interval
     if s < update_interval or s % update_interval:
         raise ValueError(f"select_interval={s} is not a multiple of update_interval={update_interval}")
@@ -310,8 +315,9 @@ def predict(
     if accumulate == "host" and r < 1.0:
         job_s, copy_s, d2h_s, add_s = _host_sums(profile, workload, u, t + device_step_s, cpu_s, h2d_s, cpu_threads)
     if overlap:
-        # A job overlaps the U steps (model compute plus the device-side optimizer) of the next window ...
-        hidden = u * (t + device_step_s)
+        # A job overlaps the U steps (model compute plus the device-side optimizer) of the next window (the first
+        # overlap_steps of them, when its result is merged then) ...
+        hidden = (overlap_steps or u) * (t + device_step_s)
         regular = max(0.0, job_s - hidden)
         # ... except at a selection step, whose flush waits for the job submitted one step earlier, which has had
         # one step to run. That happens once every S/U windows, and the window end after it finds no job to wait

@@ -149,6 +149,24 @@ def test_overlap_false_waits_for_every_job_and_topk_one_has_no_host_work():
     assert full.cpu_s == full.copy_s == full.stall_s == 0.0
 
 
+def test_overlap_steps_gives_each_job_that_many_steps_to_hide_in():
+    prof, w = make_profile(), make_workload()
+    full = predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=15)
+    assert predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=15, overlap_steps=4) == full
+    one = predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=15, overlap_steps=1)
+    step = w.step_time_s + one.device_step_s
+    s = one.select_interval // 4  # windows per selection: one flush (the job had one step) and s - 1 regular waits
+    assert one.job_s == full.job_s and one.job_s > step  # this profile's job outlasts one step
+    assert one.wait_s == pytest.approx(max(0.0, one.job_s - step))  # the regular waits are the flush's now
+    assert full.wait_s == pytest.approx(((s - 1) * max(0.0, full.job_s - 4 * step) + (full.job_s - step)) / s)
+    assert one.wait_s > full.wait_s
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="overlap_steps"):
+            predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=15, overlap_steps=bad)
+    # plan() then only considers windows at least that long.
+    assert plan(prof, w, overlap_steps=3).update_interval >= 3
+
+
 def test_predict_validates_its_arguments():
     prof, w = make_profile(), make_workload()
     with pytest.raises(ValueError, match="multiple"):
