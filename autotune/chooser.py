@@ -128,7 +128,7 @@ def plan(
     relax_hint: str = "raise --max-loss-ratio to trade quality for speed",
     accumulate: str = "device",
     host_lr_scale: float | None = None,
-    overlap_steps: int | None = None,
+    overlap_steps: int | str | None = None,
 ) -> Plan:
     """Choose the settings the caller left as None; predict and explain the result.
 
@@ -145,12 +145,15 @@ def plan(
     is only taken where it measured a lower loss than 1.0 on every task, so the predicted loss ratio (1.0's) stays
     an upper bound and the budget holds. ``accumulate``: where the window sum lives ("device" or "host";
     :func:`plan_accumulate` chooses it), for the memory budget and the predictions. ``overlap_steps``: the user's
-    (DESIGN §3), which gives each job that many steps to hide in; only ``U >= overlap_steps`` is considered.
+    (DESIGN §3), which gives each job that many steps to hide in; only ``U >= overlap_steps`` is considered;
+    ``"auto"``: chosen after ``(r, U)``, the fewest steps K whose predicted step time stays within
+    ``targets.speed_tolerance`` of merging at the next window end (:func:`_overlap_steps`).
     """
     targets = targets or Targets()
     table = quality if quality is not None else default_quality_table()
     threads = cpu_threads if cpu_threads is not None else choose_threads(profile, workload.grad_dtype)
     notes: list[str] = []
+    fixed_k = overlap_steps if overlap_steps != "auto" else None
 
     r_mem, mem_why = _memory_limit(workload, accumulate)
     if topk_ratio is not None:
@@ -170,15 +173,15 @@ def plan(
     if update_interval is not None:
         intervals = [int(update_interval)]
     else:
-        intervals = [u for u in range(max(1, overlap_steps or 1), targets.max_update_interval + 1)
-                     if select_interval is None or select_interval % u == 0] or [max(1, overlap_steps or 1)]
+        intervals = [u for u in range(max(1, fixed_k or 1), targets.max_update_interval + 1)
+                     if select_interval is None or select_interval % u == 0] or [max(1, fixed_k or 1)]
 
     points = [
         _Point(pred, table.predict(r, u) if r > 0 else None)
         for r in ratios for u in intervals
         for pred in [predict(profile, workload, topk_ratio=r, update_interval=u, cpu_threads=threads,
                              select_interval=select_interval, overlap=overlap, select_windows=targets.select_windows,
-                             accumulate=accumulate, overlap_steps=overlap_steps)]
+                             accumulate=accumulate, overlap_steps=fixed_k)]
     ]
     budget = targets.max_loss_ratio
     known = [p for p in points if p.loss is not None]
@@ -203,6 +206,15 @@ def plan(
         chosen = min(points, key=lambda p: (p.step_s, p.pred.update_interval, -p.pred.topk_ratio))
         first = (f"{chosen.where()}: outside the quality table's measured range (r >= {table.topk_ratios[0]:g}, "
                  f"U <= {table.update_intervals[-1]}), so its loss is unknown; the fastest setting{fixed_note}")
+    k_line = ""
+    if overlap_steps == "auto":
+        fixed_k, k_line = _overlap_steps(profile, workload, chosen.pred, overlap=overlap, accumulate=accumulate,
+                                         select_windows=targets.select_windows, tolerance=targets.speed_tolerance)
+        chosen = _Point(predict(profile, workload, topk_ratio=chosen.pred.topk_ratio,
+                                update_interval=chosen.pred.update_interval, cpu_threads=threads,
+                                select_interval=select_interval, overlap=overlap,
+                                select_windows=targets.select_windows, accumulate=accumulate, overlap_steps=fixed_k),
+                        chosen.loss)
     pred = chosen.pred
     hides = hidden(chosen)
     u, t = pred.update_interval, workload.step_time_s
@@ -248,6 +260,8 @@ def plan(
     scale, scale_line = _host_scale(table, pred.topk_ratio, u, overlap, host_lr_scale)
     if scale_line:
         lines.append(scale_line)
+    if k_line:
+        lines.append(k_line)
     lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
                  "not a guarantee (pass your own table; from scratch loses more: README, Training quality)")
     if workload.device == "cpu":
@@ -277,7 +291,29 @@ def plan(
         accumulate=accumulate,
         device_bytes_per_param={m: device_bytes_per_param(pred.topk_ratio, m) for m in ACCUMULATE_MODES},
         host_lr_scale=scale,
+        overlap_steps=fixed_k,
     )
+
+
+def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, overlap: bool, accumulate: str,
+                   select_windows: int, tolerance: float) -> tuple[int | None, str]:
+    """``overlap_steps="auto"`` at the chosen ``(r, U)``: the fewest steps K after a window end whose merge keeps
+    the predicted step within ``tolerance`` of merging at the next window end (``base``, K = U), and the plan's line.
+    Fewer steps leave fewer stale gradients (README, Training quality); without overlap, or without host work,
+    there is nothing to merge late: None."""
+    u = base.update_interval
+    if not overlap or base.topk_ratio >= 1:
+        return None, ""
+    for k in range(1, u + 1):
+        pk = predict(profile, workload, topk_ratio=base.topk_ratio, update_interval=u, cpu_threads=base.cpu_threads,
+                     select_interval=base.select_interval, overlap=True, select_windows=select_windows,
+                     accumulate=accumulate, overlap_steps=k)
+        if pk.step_s <= base.step_s * (1 + tolerance):
+            break
+    if k == u:
+        return k, f"overlap_steps={u}: the host job needs the whole window to hide (merged earlier, it would stall)"
+    return k, (f"overlap_steps={k}: each result merged {k} step{'s' if k > 1 else ''} after its window end, not {u}, "
+               f"within {tolerance:.0%} of the step time (fewer stale gradients: README, Training quality)")
 
 
 def _host_scale(table: QualityTable, r: float, u: int, overlap: bool, fixed: float | None) -> tuple[float, str]:

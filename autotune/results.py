@@ -93,11 +93,14 @@ class Plan:
     """The optimizer's device bytes per offloaded element, per accumulate mode, at this plan's ``topk_ratio``."""
     host_lr_scale: float = 1.0
     """The host step's lr scale (DESIGN §3): 1.0 unless the quality table measured a better one at this setting."""
+    overlap_steps: int | None = None
+    """With overlap, the steps after a window end at which its result is merged (DESIGN §3); None: U."""
 
     def config_fields(self) -> dict[str, Any]:
         """The choice as ZenFlowConfig fields: ``config.replace(**plan.config_fields())``."""
         return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval,
-                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype, "host_lr_scale": self.host_lr_scale}
+                "cpu_threads": self.cpu_threads, "grad_dtype": self.grad_dtype, "host_lr_scale": self.host_lr_scale,
+                "overlap_steps": self.overlap_steps}
 
     def summary(self) -> dict[str, Any]:
         """The plan as every output carries it, under the same names: the CLI's table and ``--json``, the plot and
@@ -109,6 +112,7 @@ class Plan:
             "select_interval": p.select_interval,
             "cpu_threads": self.cpu_threads,
             "host_lr_scale": self.host_lr_scale,
+            "overlap_steps": self.overlap_steps,
             "predicted_loss_ratio": self.predicted_loss_ratio,
             "max_loss_ratio": self.max_loss_ratio,
             "loss_budget_met": self.loss_budget_met,

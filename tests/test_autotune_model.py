@@ -167,6 +167,32 @@ def test_overlap_steps_gives_each_job_that_many_steps_to_hide_in():
     assert plan(prof, w, overlap_steps=3).update_interval >= 3
 
 
+@pytest.mark.parametrize("step", [0.05, 0.5, 5.0])
+def test_auto_overlap_steps_is_the_fewest_that_cost_no_speed(step: float):
+    prof, w = make_profile(), make_workload(step=step)
+    chosen = plan(prof, w, topk_ratio=0.1, update_interval=4, overlap_steps="auto")
+    k = chosen.overlap_steps
+    assert k is not None and 1 <= k <= 4 and chosen.prediction.update_interval == 4
+    base = predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=chosen.cpu_threads)
+    tol = Targets().speed_tolerance
+
+    def step_s(kk: int) -> float:
+        return predict(prof, w, topk_ratio=0.1, update_interval=4, cpu_threads=chosen.cpu_threads,
+                       overlap_steps=kk).step_s
+
+    assert step_s(k) <= base.step_s * (1 + tol) and all(step_s(j) > base.step_s * (1 + tol) for j in range(1, k))
+    assert chosen.predicted_step_s == pytest.approx(step_s(k))  # the plan's figures are K's
+    assert f"overlap_steps={k}" in chosen.reason
+    assert chosen.config_fields()["overlap_steps"] == k == chosen.summary()["overlap_steps"]
+    # A long model step hides the whole job in one step; a short one needs the whole window.
+    if step == 5.0:
+        assert k == 1
+    if step == 0.05:
+        assert k == 4
+    assert plan(prof, w, topk_ratio=0.1, update_interval=4, overlap=False, overlap_steps="auto").overlap_steps is None
+    assert plan(prof, w, topk_ratio=0.1, update_interval=4).overlap_steps is None
+
+
 def test_predict_validates_its_arguments():
     prof, w = make_profile(), make_workload()
     with pytest.raises(ValueError, match="multiple"):

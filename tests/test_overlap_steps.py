@@ -88,3 +88,27 @@ def test_resume_is_bitwise(steps_late: int) -> None:
 def test_bad_values_are_refused_by_name(knobs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, **knobs)
+
+
+def test_auto_is_planned_after_warm_up_and_survives_checkpoints(planned_with_synthetic_profile) -> None:
+    knobs = dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap_steps="auto")
+    with ZenFlowAdamW(Net().parameters(), lr=2e-2, min_offload_numel=MIN_OFFLOAD, **knobs) as opt:
+        assert opt.stats()["overlap_steps"] is None  # waits for its plan
+    total = 14
+    straight, sd = run_with_checkpoint(total, None, **knobs)
+    assert planned_with_synthetic_profile[0]["overlap_steps"] == "auto"
+    k = sd["zenflow"]["overlap_steps"]
+    assert isinstance(k, int) and 1 <= k <= 3
+    # Saved during the warm-up (before the plan): still "auto" after the load, planned like the straight run;
+    # saved after the plan: the planned K. Both continue bit for bit (the synthetic profile plans the same).
+    for at in (2, 9):
+        resumed, resumed_sd = run_with_checkpoint(total, at, **knobs)
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed)), f"checkpoint after step {at}"
+        assert resumed_sd["zenflow"]["overlap_steps"] == k
+    # A fixed value and a checkpoint from before the knob existed (None: U).
+    fixed, fixed_sd = run_with_checkpoint(8, None, **dict(knobs, overlap_steps=2))
+    assert fixed_sd["zenflow"]["overlap_steps"] == 2
+    old = {**fixed_sd, "zenflow": {k2: v for k2, v in fixed_sd["zenflow"].items() if k2 != "overlap_steps"}}
+    with ZenFlowAdamW(Net().parameters(), lr=2e-2, min_offload_numel=MIN_OFFLOAD, **dict(knobs, overlap_steps=2)) as o:
+        o.load_state_dict(old)
+        assert o.stats()["overlap_steps"] is None

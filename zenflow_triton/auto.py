@@ -34,7 +34,8 @@ choice_logger = logging.getLogger("zenflow_triton.auto")
 # five steps give four intervals, enough for a median that ignores the first, slower, step.
 AUTO_WARMUP_STEPS = 5
 
-_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads", "host_lr_scale")
+_CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads", "host_lr_scale",
+                    "overlap_steps")
 
 
 def announce(message: str, log: logging.Logger = choice_logger) -> None:
@@ -143,7 +144,7 @@ class Knobs:
     @property
     def ready(self) -> bool:
         return (self.resolved.topk_ratio != "auto" and self.resolved.update_interval != "auto"
-                and self.resolved.host_lr_scale != "auto")
+                and self.resolved.host_lr_scale != "auto" and self.resolved.overlap_steps != "auto")
 
     # ------------------------------------------------------------------ step time
 
@@ -199,9 +200,12 @@ class Knobs:
             threads = max(1, min(int(plan.cpu_threads), host_thread_share()))
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
                                               select_interval=select, cpu_threads=threads,
-                                              host_lr_scale=float(plan.host_lr_scale))
+                                              host_lr_scale=float(plan.host_lr_scale),
+                                              overlap_steps=plan.overlap_steps if cfg.overlap else None)
         loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"
         scale = "" if plan.host_lr_scale == 1.0 else f" host_lr_scale={plan.host_lr_scale:g}"
+        k = self.resolved.overlap_steps
+        scale += "" if cfg.overlap_steps != "auto" or k is None else f" overlap_steps={k}"
         announce(f"chose topk_ratio={self.resolved.topk_ratio:g} update_interval={u}{scale} cpu_threads={threads}: "
                  f"predicted loss {loss} (budget {plan.max_loss_ratio:g}), "
                  f"{plan.prediction.stall_fraction:.1%} stall"
@@ -233,7 +237,8 @@ class Knobs:
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Take the checkpoint's ``topk_ratio``, ``update_interval``, ``select_interval`` (None: still "auto") and
-        ``host_lr_scale`` (1.0 when it has none).
+        ``host_lr_scale`` (1.0 when it has none) and ``overlap_steps`` (None, the default, when it has none; still
+        "auto" when this optimizer's is and the checkpoint was saved before the plan; None without overlap).
         ``cpu_threads`` stays this machine's: the thread count never changes results, and a checkpoint's may
         exceed what this process can run."""
         r = saved.get("topk_ratio", self.value("topk_ratio"))
@@ -242,7 +247,11 @@ class Knobs:
         # A checkpoint from before host_lr_scale existed was trained with Adam's host step: 1.0.
         h = saved.get("host_lr_scale", 1.0)
         h = "auto" if h is None else h
+        k = saved.get("overlap_steps")
+        if k is None and self.config.overlap_steps == "auto" and saved.get("step", 0) <= self.warmup:
+            k = "auto"  # saved before the plan: it is still to be made
         self.resolved = self.resolved.replace(
             topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
             select_interval=s if u is not None else self.config.select_interval, host_lr_scale=h,
+            overlap_steps=k if self.config.overlap else None,
         )

@@ -56,11 +56,12 @@ class ZenFlowConfig:
     host_lr_scale: float | Auto = 1.0
     """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
     step, the default; "auto": the autotuner's choice from its quality table (1.0 where it measured no gain)."""
-    overlap_steps: int | None = None
+    overlap_steps: int | Auto | None = None
     """With overlap=True, how many steps after a window end its host result is merged into the parameters: 1 to
     update_interval; None is update_interval (the next window end, ZenFlow's one window of staleness). Fewer steps
     leave fewer stale gradients in the next window but give its host job less time to finish: step() waits (stall)
-    for a job that is not done by then."""
+    for a job that is not done by then. "auto": the autotuner's choice, the fewest steps that keep the predicted
+    step time within its speed tolerance of update_interval's."""
     # Gradients consumed during backward (issue 18).
     grads_in_backward: bool = False
     """Consume each offloaded parameter's gradient in a post-accumulate-grad hook during backward (scores, the
@@ -109,15 +110,15 @@ class ZenFlowConfig:
             raise ValueError(f"Invalid host_lr_scale: {h!r} (a finite float > 0, 1.0 is Adam's step, or 'auto')")
         k = self.overlap_steps
         if k is not None:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"Invalid overlap_steps: {k!r} (an int >= 1, or None for update_interval)")
+            if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+                raise ValueError(f"Invalid overlap_steps: {k!r} (an int >= 1, 'auto', or None for update_interval)")
             if not self.overlap:
                 raise ValueError(f"Invalid overlap_steps={k} with overlap=False: without overlap every host result is "
                                  "in the parameters when step() returns; leave overlap_steps None")
-            if u == "auto":
+            if u == "auto" and k != "auto":
                 raise ValueError(f"Invalid overlap_steps={k} with update_interval='auto': the tuner picks the window "
-                                 "for a host job that fills it; give update_interval too, or leave overlap_steps None")
-            if k > u:
+                                 "for a host job that fills it; give update_interval too, or overlap_steps='auto'")
+            if k != "auto" and k > u:
                 raise ValueError(f"Invalid overlap_steps: {k} is more than update_interval={u} (a result is merged "
                                  "by the next window end at the latest)")
         # Gradients consumed during backward (issue 18).
@@ -131,7 +132,8 @@ class ZenFlowConfig:
 
     @property
     def is_auto(self) -> bool:
-        return self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
+        return (self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
+                or self.overlap_steps == "auto")
 
     def resolved_select_interval(self) -> int:
         """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""

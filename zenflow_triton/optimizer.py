@@ -79,7 +79,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
             accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
         overlap_steps: with ``overlap=True``, merge each window's host result this many steps after the window end
-            (1 to U; None: U, the next window end): fewer stale gradients, less time for the host job (DESIGN §3).
+            (1 to U; None: U, the next window end): fewer stale gradients, less time for the host job (DESIGN §3);
+            "auto": the autotuner's choice.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -113,7 +114,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         host_lr_scale: float | str = 1.0,
         grads_in_backward: bool = False,
-        overlap_steps: int | None = None,
+        overlap_steps: int | str | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         hyperparams(defaults, decoupled=self._decoupled)
@@ -444,7 +445,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if windows:
             pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads,
                                  lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
-        elif tau >= 1 and self.config.overlap_steps is not None and tau % interval == self.config.overlap_steps:
+        elif tau >= 1 and cfg.overlap_steps is not None and tau % interval == cfg.overlap_steps:
             # overlap_steps < U: the last window's host result is merged now, not at the next window end (§3).
             pipeline.wait(self.state, merge=True)
 
