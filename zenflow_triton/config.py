@@ -135,6 +135,13 @@ class ZenFlowConfig:
         return (self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
                 or self.overlap_steps == "auto")
 
+    def merge_due(self, tau: int) -> bool:
+        """Whether step ``tau`` (after warm-up) merges the last window's host result before the next window end:
+        ``overlap_steps`` K < U steps after it (DESIGN §3)."""
+        k = self.overlap_steps
+        u = self.update_interval
+        return tau >= 1 and isinstance(k, int) and isinstance(u, int) and tau % u == k
+
     def resolved_select_interval(self) -> int:
         """S actually used: select_interval, or DEFAULT_SELECT_WINDOWS windows (needs a concrete U)."""
         if not isinstance(self.update_interval, int):

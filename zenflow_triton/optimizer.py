@@ -63,7 +63,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         update_interval: steps per host window (U), or "auto".
         select_interval: steps between reselections (a multiple of U); None means 8 windows.
         warmup_steps: steps of synchronous AdamW on every element before selection starts.
-        overlap: apply each window's host result one window late instead of waiting for it.
+        overlap: apply each window's host result ``overlap_steps`` steps late (None: U, one window; "auto": the
+            tuner's) instead of waiting for it: fewer steps, fewer stale gradients, less time for the host job (§3).
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
         cpu_threads: numba threads of the host worker (None: all cores but one, but two with CUDA parameters, and
             every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
@@ -78,9 +79,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "auto": the autotuner's choice.
         grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
             accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
-        overlap_steps: with ``overlap=True``, merge each window's host result this many steps after the window end
-            (1 to U; None: U, the next window end): fewer stale gradients, less time for the host job (DESIGN §3);
-            "auto": the autotuner's choice.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
     changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
@@ -233,23 +231,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def set_knobs(self, *, topk_ratio: float | None = None, update_interval: int | None = None,
                   select_interval: int | None = None) -> None:
         """Change ``topk_ratio``, ``update_interval`` or ``select_interval`` of a running optimizer, typically a
-        resumed one (a checkpoint's knobs win over the constructor's at ``load_state_dict()``). A new
-        ``update_interval`` or ``select_interval`` starts a fresh window: the open one ends now, as at ``flush()``,
-        and the next window ends at the schedule's next multiple of U; a new ``topk_ratio`` takes effect at the next
-        selection step (the current selection stands until then). Without ``select_interval``, S follows a new U
-        where it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` carries the
-        new values and ``stats()`` shows them (``opt.config`` stays the constructor's). Validated as in the
-        constructor; nothing changes when it raises."""
+        resumed one (a checkpoint's knobs win over the constructor's at ``load_state_dict()``). A new U or S ends the
+        open window now, as ``flush()`` does (the next ends at the schedule's next multiple of U); a new
+        ``topk_ratio`` takes effect at the next selection step. Without ``select_interval``, S follows a new U where
+        it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` and ``stats()``
+        carry the new values (``opt.config`` stays the constructor's); nothing changes when it raises."""
         self._pipeline.check_usable()
         retune.set_knobs(self._knobs, self.flush, topk_ratio=topk_ratio, update_interval=update_interval,
                          select_interval=select_interval)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
-        :class:`ZenFlowAdam`), to finish a run without offloading: ``flush()`` first (every gradient is then in the
-        parameters, which are AdamW's master), then each parameter's moments on its device in its dtype, with the
-        parameter's own step count (see :func:`.checkpoint.to_adamw` for what per-column counts become). Load it
-        into an AdamW built over the same parameters in the same groups."""
+        :class:`ZenFlowAdam`), to finish a run without offloading: ``flush()`` first (the parameters are then AdamW's
+        master), then each parameter's moments on its device in its dtype, with its own step count (per-column counts:
+        :func:`.checkpoint.to_adamw`). Load it into an AdamW built over the same parameters in the same groups."""
         self.flush()
         return checkpoint.to_adamw_state_dict(self.state_dict(), self.param_groups)
 
@@ -445,8 +440,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if windows:
             pipeline.end_windows(list(windows.values()), self.state, sync=sync, cpu_threads=cfg.cpu_threads,
                                  lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
-        elif tau >= 1 and cfg.overlap_steps is not None and tau % interval == cfg.overlap_steps:
-            # overlap_steps < U: the last window's host result is merged now, not at the next window end (§3).
+        elif cfg.merge_due(tau):  # overlap_steps < U: the last window's result is merged now, not at the next end
             pipeline.wait(self.state, merge=True)
 
 
