@@ -112,3 +112,15 @@ def test_auto_is_planned_after_warm_up_and_survives_checkpoints(planned_with_syn
     with ZenFlowAdamW(Net().parameters(), lr=2e-2, min_offload_numel=MIN_OFFLOAD, **dict(knobs, overlap_steps=2)) as o:
         o.load_state_dict(old)
         assert o.stats()["overlap_steps"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", ["device", "host"])
+def test_cuda_matches_simulation_every_step(accumulate: str) -> None:
+    """The merge K steps after the window end on the CUDA path: staging ring, copy streams, and the next job waiting
+    for the merges' H2D copies before it rewrites the snapshot (with accumulate="host" also the adder's slots)."""
+    for k in (1, 2):
+        check_against_simulation(backend="triton", overlap=True, warmup=2, r=0.25, interval=3, select=6, steps=17,
+                                 device="cuda", accumulate=accumulate, overlap_steps=k)
+    check_against_simulation(backend="triton", overlap=True, warmup=0, r=0.3, interval=2, select=4, steps=12,
+                             dtype=torch.bfloat16, device="cuda", accumulate=accumulate, overlap_steps=1)
