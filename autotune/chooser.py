@@ -173,8 +173,8 @@ def plan(
     if update_interval is not None:
         intervals = [int(update_interval)]
     else:
-        intervals = [u for u in range(max(1, fixed_k or 1), targets.max_update_interval + 1)
-                     if select_interval is None or select_interval % u == 0] or [max(1, fixed_k or 1)]
+        intervals = [u for u in range(fixed_k or 1, targets.max_update_interval + 1)
+                     if select_interval is None or select_interval % u == 0] or [fixed_k or 1]
 
     points = [
         _Point(pred, table.predict(r, u) if r > 0 else None)
@@ -207,14 +207,11 @@ def plan(
         first = (f"{chosen.where()}: outside the quality table's measured range (r >= {table.topk_ratios[0]:g}, "
                  f"U <= {table.update_intervals[-1]}), so its loss is unknown; the fastest setting{fixed_note}")
     k_line = ""
-    if overlap_steps == "auto":
-        fixed_k, k_line = _overlap_steps(profile, workload, chosen.pred, overlap=overlap, accumulate=accumulate,
-                                         select_windows=targets.select_windows, tolerance=targets.speed_tolerance)
-        chosen = _Point(predict(profile, workload, topk_ratio=chosen.pred.topk_ratio,
-                                update_interval=chosen.pred.update_interval, cpu_threads=threads,
-                                select_interval=select_interval, overlap=overlap,
-                                select_windows=targets.select_windows, accumulate=accumulate, overlap_steps=fixed_k),
-                        chosen.loss)
+    if overlap_steps == "auto" and overlap and chosen.pred.topk_ratio < 1:
+        fixed_k, k_pred, k_line = _overlap_steps(profile, workload, chosen.pred, accumulate=accumulate,
+                                                 select_windows=targets.select_windows,
+                                                 tolerance=targets.speed_tolerance)
+        chosen = _Point(k_pred, chosen.loss)
     pred = chosen.pred
     hides = hidden(chosen)
     u, t = pred.update_interval, workload.step_time_s
@@ -295,15 +292,12 @@ def plan(
     )
 
 
-def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, overlap: bool, accumulate: str,
-                   select_windows: int, tolerance: float) -> tuple[int | None, str]:
-    """``overlap_steps="auto"`` at the chosen ``(r, U)``: the fewest steps K after a window end whose merge keeps
-    the predicted step within ``tolerance`` of merging at the next window end (``base``, K = U), and the plan's line.
-    Fewer steps leave fewer stale gradients (README, Training quality); without overlap, or without host work,
-    there is nothing to merge late: None."""
+def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, accumulate: str,
+                   select_windows: int, tolerance: float) -> tuple[int, Prediction, str]:
+    """``overlap_steps="auto"`` at the chosen ``(r, U)`` with overlap and host work: the fewest steps K after a
+    window end whose merge keeps the predicted step within ``tolerance`` of merging at the next window end (``base``,
+    K = U), its prediction and the plan's line. Fewer steps leave fewer stale gradients (README, Training quality)."""
     u = base.update_interval
-    if not overlap or base.topk_ratio >= 1:
-        return None, ""
     for k in range(1, u + 1):
         pk = predict(profile, workload, topk_ratio=base.topk_ratio, update_interval=u, cpu_threads=base.cpu_threads,
                      select_interval=base.select_interval, overlap=True, select_windows=select_windows,
@@ -311,9 +305,11 @@ def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, ov
         if pk.step_s <= base.step_s * (1 + tolerance):
             break
     if k == u:
-        return k, f"overlap_steps={u}: the host job needs the whole window to hide (merged earlier, it would stall)"
-    return k, (f"overlap_steps={k}: each result merged {k} step{'s' if k > 1 else ''} after its window end, not {u}, "
-               f"within {tolerance:.0%} of the step time (fewer stale gradients: README, Training quality)")
+        line = f"overlap_steps={u}: the host job needs the whole window to hide (merged earlier, it would stall)"
+    else:
+        line = (f"overlap_steps={k}: each result merged {k} step{'s' if k > 1 else ''} after its window end, not "
+                f"{u}, within {tolerance:.0%} of the step time (fewer stale gradients: README, Training quality)")
+    return k, pk, line
 
 
 def _host_scale(table: QualityTable, r: float, u: int, overlap: bool, fixed: float | None) -> tuple[float, str]:

@@ -201,7 +201,7 @@ class Knobs:
         self.resolved = self.resolved.replace(topk_ratio=float(plan.topk_ratio), update_interval=u,
                                               select_interval=select, cpu_threads=threads,
                                               host_lr_scale=float(plan.host_lr_scale),
-                                              overlap_steps=plan.overlap_steps if cfg.overlap else None)
+                                              overlap_steps=plan.overlap_steps)
         loss = "unknown" if plan.predicted_loss_ratio is None else f"{plan.predicted_loss_ratio:.3f}x AdamW"
         scale = "" if plan.host_lr_scale == 1.0 else f" host_lr_scale={plan.host_lr_scale:g}"
         k = self.resolved.overlap_steps
