@@ -22,8 +22,10 @@ parameters offloaded; batch 8 x 64 bytes, AdamW weight decay 0.01 everywhere, co
 
 ZenFlow configurations: ``topk_ratio`` and ``update_interval`` as given (default 0.1 / 4), ``overlap`` on and off
 (``--overlaps``), each with every ``host_lr_scale`` of ``--scales`` (DESIGN §3: the host windows step with lr x s),
-``warmup_steps`` of ``--warmups`` (default 0) and ``select_interval`` of ``--select-intervals`` (default 8 U); a knob
-at its default is left out of a configuration's name. Held-out loss after ``flush()``. One core:
+``warmup_steps`` of ``--warmups`` (default 0), ``select_interval`` of ``--select-intervals`` (default 8 U) and, with
+overlap, ``overlap_steps`` of ``--overlap-steps`` (default U); a knob at its default is left out of a configuration's
+name. ``--late`` adds a reference: torch AdamW with the offloadable matrices one update late
+(:mod:`late_adamw`, the staleness of ``overlap=True`` alone). Held-out loss after ``flush()``. One core:
 ``torch.set_num_threads(1)``, ``cpu_threads=1`` (results do not depend on thread counts, DESIGN §3). The run
 writes its JSON after every task and seed, so a run cut short keeps what it measured; ``--report JSON`` rebuilds the
 Markdown from it. ``--add-to JSON`` runs only what JSON lacks: new configurations, or known ones at lrs added with
@@ -457,9 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                              "before (bench/late_adamw.py), the staleness of overlap=True alone")
     parser.add_argument("--add-to", type=Path, metavar="JSON",
                         help="measure only the runs of AdamW and the configurations given (--scales x --warmups x "
-                             "--select-intervals x --overlaps) that JSON lacks, on its seeds and on --tasks (default "
-                             "its tasks) at its lrs plus --add-lrs (or at --at-lrs only), and write JSON plus them to "
-                             "--out (its AdamW runs are reused: they are deterministic, which one rerun checks)")
+                             "--select-intervals x --overlaps x --overlap-steps, and --late) that JSON lacks, on its "
+                             "seeds and on --tasks (default its tasks) at its lrs plus --add-lrs (or at --at-lrs only),"
+                             " and write JSON plus them to --out (its AdamW runs are reused: they are deterministic, "
+                             "which one rerun checks)")
     parser.add_argument("--add-lrs", type=float, nargs="+", default=[], help="with --add-to: lrs added to the grid")
     parser.add_argument("--at-lrs", type=float, nargs="+", help="with --add-to: run only at these lrs")
     parser.add_argument("--skip-adamw", action="store_true",
