@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numba
+import numpy as np
 import torch
 
 __all__ = [
@@ -222,6 +223,7 @@ def machine_info() -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "triton": triton_version,
         "numba": numba.__version__,
+        "numpy": np.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "numba_threads": numba.config.NUMBA_NUM_THREADS,

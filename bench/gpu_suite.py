@@ -38,9 +38,14 @@ Phases, each with its own time limit, so one that hangs or fails does not take t
    An out-of-memory error in one provider is recorded and the suite goes on; GPU and pinned memory are released
    between providers.
 
-Writes ``OUTDIR/gpu_suite.json`` and ``OUTDIR/gpu_suite.md`` (plus the subprocess logs). Exit status: 0 when every
+Writes ``OUTDIR/gpu_suite.json`` and ``OUTDIR/gpu_suite.md``, the three subprocess logs and the device kernels'
+``--benchmark-json``: 6 files (``OUTPUT_FILES``; the device tool returns 8), the report rewritten after every
+phase and provider, so whatever stops the run leaves what it measured. A test still running after
+``TEST_STACKS_AFTER_S`` has every thread's stack in its phase's log. A provider that runs past its share of the budget
+by ``PROVIDER_GRACE_S`` ("hung"), or still running at the suite's hard limit (``HARD_LIMIT_S``, 8 minutes: "time
+limit"), is recorded with every thread's stack (``watchdog.py``), and the suite ends there. Exit status: 0 when every
 phase ran (out-of-memory results included), 1 when a GPU test failed or a provider raised another error, 2 without
-CUDA.
+CUDA, 3 when a provider was stopped (rerun the rest with ``--providers``).
 """
 
 from __future__ import annotations
@@ -50,8 +55,10 @@ import gc
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -63,6 +70,8 @@ from typing import Any
 import torch
 from common import BENCH_DIR, load_average, machine_info
 from decoder import Decoder, DecoderConfig
+from suite_report import kernel_goals, report_markdown
+from watchdog import Watchdog
 
 # Run as the device command on a bare machine: make this tree's zenflow_triton importable (installed, or run from the
 # tree) before providers imports it, and before the pytest phases start (tree_install.py says how).
@@ -90,6 +99,20 @@ NEEDS_GPU = "gpu_suite: needs a CUDA GPU (torch.cuda.is_available() is False); u
 # start-up, a provider's warm-up that overruns it (checked only between windows) and writing the report.
 BUDGET_S = 420.0
 BUDGET_QUICK_S = 210.0
+# What the suite promises, hung or not: past it, the provider still running is recorded with every thread's stack,
+# the report is written and the process exits (status 3), so a device lease gets its report back in time.
+HARD_LIMIT_S = 480.0
+HARD_LIMIT_QUICK_S = 270.0
+# How far a provider may overrun its share of the budget before it counts as hung (its warm-up is not bounded by
+# the share, and a hung host job raises by itself after worker_timeout, 120 s).
+PROVIDER_GRACE_S = 150.0
+# A test still running after this long has every thread's stack written to its phase's log (pytest's faulthandler,
+# which only writes: the phase's own time limit ends it), so a phase that times out says where it hung.
+TEST_STACKS_AFTER_S = 60
+# The device tool returns at most 8 files from its output folder: the suite writes only these there (JUnit XML goes
+# to a scratch folder and is summarized in the report), which leaves room for the caller's own log.
+OUTPUT_FILES = ("gpu_suite.json", "gpu_suite.md", "gpu_tests.log", "stress_tests.log", "device_kernels.log",
+                "device_kernels.json")
 
 
 # ----------------------------------------------------------------------------------------------------- the decoder
@@ -176,38 +199,6 @@ def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
         return []
     return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
             for b in data.get("benchmarks", [])]
-
-
-# The device kernels' goals, judged on one step's grouped fused step over the weights of 8 layers of a 1B decoder
-# (bench_device_kernels.py's test_fused_steps_grouped): (figure, at least or at most, target, what it means).
-KERNEL_GOALS = (
-    ("ratio_to_copy", "min", 0.8, "streams at >= 80% of the bandwidth of a device copy of the same bytes"),
-    ("ratio_to_torch_fused", "min", 2.0, "costs <= 0.5x torch.optim.AdamW(fused=True).step() on the same weights"),
-    ("enqueue_us_per_param", "max", 10.0, "<= 10 us of host time per parameter to issue the step's launches"),
-)
-GOALS_BENCH = "test_fused_steps_grouped"
-
-
-def kernel_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each goal of ``KERNEL_GOALS`` with the measured figure and whether it is met (None when not measured)."""
-    row = next((r for r in rows if r.get("name") == GOALS_BENCH), {})
-    out = []
-    for key, sense, target, what in KERNEL_GOALS:
-        value = row.get(key)
-        met = None if value is None else (value >= target if sense == "min" else value <= target)
-        out.append({"figure": key, "value": value, "target": target, "sense": sense, "goal": what, "met": met})
-    return out
-
-
-def goals_markdown(goals: list[dict[str, Any]]) -> str:
-    lines = [f"Goals, from `{GOALS_BENCH}`:", "", "| goal | figure | measured | target | met |",
-             "|---|---|---:|---:|---|"]
-    for g in goals:
-        value = "–" if g["value"] is None else f"{g['value']:.2f}"
-        met = {None: "not measured", True: "yes", False: "NO"}[g["met"]]
-        bound = ">=" if g["sense"] == "min" else "<="
-        lines.append(f"| {g['goal']} | `{g['figure']}` | {value} | {bound} {g['target']:g} | {met} |")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
@@ -370,82 +361,6 @@ def e2e_providers(*, quick: bool) -> dict[str, OptimizerProvider]:
     return {n: all_p[n] for n in names if n in all_p}
 
 
-# ----------------------------------------------------------------------------------------------------- report
-
-
-def _gib(x: float | None) -> str:
-    return "–" if x is None else f"{x / 2**30:.1f}"
-
-
-def e2e_markdown(rows: list[dict[str, Any]]) -> str:
-    base = next((r["step_s"] for r in rows if r["name"] == "torch_adamw_fused" and "step_s" in r), None)
-    lines = ["| provider | ms/step | tokens/s | × no-offload | optimizer share | stall | GPU peak GiB "
-             "| pinned GiB (optimizer) | pinned GiB (torch allocator) | host RSS growth GiB | r / U | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        if "step_s" not in r:
-            lines.append(f"| {r['label']} | – | – | – | – | – | – | – | – | – | – "
-                         f"| {r.get('error', r.get('skipped'))} |")
-            continue
-        ratio = f"{r['step_s'] / base:.2f}" if base else "–"
-        stall = f"{r['stall_fraction']:.0%}" if "stall_fraction" in r else "–"
-        ru = f"{r['topk_ratio']:.3g} / {r['update_interval']}" if "topk_ratio" in r else "–"
-        lines.append(
-            f"| {r['label']} | {r['step_s'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | {ratio} | {r['opt_share']:.0%} "
-            f"| {stall} | {_gib(r.get('gpu_peak_bytes'))} | {_gib(r.get('pinned_bytes'))} "
-            f"| {_gib(r.get('pinned_allocator_bytes'))} | {_gib(r.get('host_rss_growth_bytes'))} | {ru} "
-            f"| {r.get('note', '')} |")
-    return "\n".join(lines)
-
-
-def stress_line(r: dict[str, Any] | None) -> str:
-    """One sentence: did the stress tests pass, fail, or not run."""
-    if not r:
-        return "not run"
-    if r.get("error"):
-        return f"did not finish: {r['error']} (see stress_tests.log)"
-    if r.get("failures") or r.get("errors"):
-        return f"FAILED: {', '.join(r.get('failed', []))} (see stress_tests.log)"
-    ran = r.get("tests", 0) - r.get("skipped", 0)
-    return f"passed: {ran} of {r.get('tests', 0)} tests ran and passed in {r.get('seconds', 0):.0f} s" if ran else (
-        "all skipped (no CUDA device)")
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    s = report["e2e_settings"]
-    parts = [
-        f"# gpu_suite {m['date']}",
-        f"GPU: {m.get('gpu', 'none (dry run)')}; host: {m['nproc']} x {m['cpu_model']}; torch {m['torch']}; "
-        f"git {m['git_rev']}; mode: {report['mode']}; wall {report['wall_s']:.0f} s",
-        "## GPU tests",
-        "```\n" + json.dumps({k: v for k, v in report.get("gpu_tests", {}).items() if k != "tail"}, indent=1)
-        + "\n```",
-        "## Stress tests (correct under stress?)",
-        stress_line(report.get("stress_tests")),
-        "## Device kernels",
-    ]
-    rows = report.get("device_kernels", {}).get("rows", [])
-    if rows:
-        nan = float("nan")
-        parts.append("| bench | median µs | GB/s | × copy | × torch fused (faster > 1) | enqueue µs/param |\n"
-                     "|---|---:|---:|---:|---:|---:|\n" + "\n".join(
-            f"| {r['name']} | {r['median_s'] * 1e6:.0f} | {r.get('GB/s', nan):.0f} "
-            f"| {r.get('ratio_to_copy', nan):.2f} | {r.get('ratio_to_torch_fused', nan):.2f} "
-            f"| {r.get('enqueue_us_per_param', nan):.1f} |" for r in rows))
-    else:
-        parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
-    parts.append(goals_markdown(kernel_goals(rows)))
-    d = s["model"]
-    parts += [
-        "## End to end",
-        f"Decoder {d['n_layer']} x d{d['d_model']}, vocab {d['vocab']} ({report.get('e2e_params', 0) / 1e9:.2f}B "
-        f"params, {s['dtype']}), batch {s['batch']} x {s['seq']} tokens.",
-        e2e_markdown(report.get("e2e", [])),
-    ]
-    return "\n\n".join(parts) + "\n"
-
-
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -478,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine, "mode": "dry-run" if args.dry_run else ("quick" if args.quick
                                                                                           else "full")}
     report["install"] = INSTALL
+    print("# " + ", ".join(f"{k} {machine.get(k)}" for k in ("python", "torch", "triton", "numba", "numpy", "git_rev")
+                           if k in machine), flush=True)
     failed = False
 
     def remaining() -> float:
@@ -492,16 +409,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["e2e_settings"] = asdict(settings)
     report["e2e_params"] = settings.model.num_params()
     py = sys.executable
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_suite_"))  # JUnit XML: summarized in the report, not left in OUTDIR
+
+    def pytest_phase(name: str, pytest_args: list[str], timeout: float) -> dict[str, Any]:
+        junit = scratch / f"{name}.xml"
+        r = run_subprocess(name, [py, "-m", "pytest", *pytest_args, "-q", "-p", "no:cacheprovider", "-o",
+                                  f"faulthandler_timeout={TEST_STACKS_AFTER_S}", f"--junitxml={junit}"], out, timeout)
+        r.update(junit_summary(junit))
+        return r
 
     # Phases 1-3 first, while this process holds no GPU memory. Their shares of the budget: measured on no
     # GPU yet, so generous; the end-to-end phase gets the rest and stops early (recorded) if it runs out.
     if not args.skip_tests:
         print("# phase 1: pytest -m gpu tests", flush=True)
-        junit = out / "gpu_tests.xml"
-        r = run_subprocess("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
-                                         f"--ignore={STRESS_TESTS}", f"--junitxml={junit}"], out,
-                           min(0.3 * budget, remaining() - 60))
-        r.update(junit_summary(junit))
+        r = pytest_phase("gpu_tests", ["-m", "gpu", "tests", f"--ignore={STRESS_TESTS}"],
+                         min(0.3 * budget, remaining() - 60))
         # pytest exits 5 when every test was deselected (no -m gpu tests): not a failure.
         failed |= r.get("returncode") not in (0, 5) or bool(r.get("failures") or r.get("errors"))
         report["gpu_tests"] = r
@@ -509,22 +431,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Its own phase and time limit: the checks against the dense simulation run on the host (~1-3 s per step at
         # these sizes, 16 cores; an estimate, never measured), and must not eat the other tests' time.
         print("# phase 2: stress tests", flush=True)
-        junit = out / "stress_tests.xml"
-        r = run_subprocess("stress_tests", [py, "-m", "pytest", "-m", "gpu", STRESS_TESTS, "-q", "-p",
-                                            "no:cacheprovider", f"--junitxml={junit}"], out,
-                           min(0.25 * budget, remaining() - 60))
-        r.update(junit_summary(junit))
+        r = pytest_phase("stress_tests", ["-m", "gpu", STRESS_TESTS], min(0.25 * budget, remaining() - 60))
         failed |= r.get("returncode") not in (0, 5) or bool(r.get("failures") or r.get("errors"))
         report["stress_tests"] = r
         save()
     if not args.skip_kernels:
         print("# phase 3: device kernel benches", flush=True)
         bjson = out / "device_kernels.json"
-        cmd = [py, "-m", "pytest", "bench/bench_device_kernels.py", "-q", "-p", "no:cacheprovider",
-               f"--benchmark-json={bjson}"]
+        bench_args = ["bench/bench_device_kernels.py", f"--benchmark-json={bjson}"]
         if args.dry_run:
-            cmd.append("--benchmark-disable")
-        r = run_subprocess("device_kernels", cmd, out, min(0.15 * budget, remaining() - 60))
+            bench_args.append("--benchmark-disable")
+        r = pytest_phase("device_kernels", bench_args, min(0.15 * budget, remaining() - 60))
         r["rows"] = kernel_bench_rows(bjson)
         r["goals"] = kernel_goals(r["rows"])
         failed |= r.get("returncode") not in (0, 5)
@@ -557,6 +474,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["numba_warmup_s"] = time.perf_counter() - t0
     except Exception as exc:  # the ZenFlow providers will then fail and say why; the others still run
         report["numba_warmup_error"] = f"{type(exc).__name__}: {exc}"
+    hard_deadline = start + (HARD_LIMIT_QUICK_S if args.quick else HARD_LIMIT_S)
+    running: dict[str, Any] = {}
+
+    def on_hang(stacks: str) -> None:
+        # "hung": PROVIDER_GRACE_S past its share; "time limit": the suite's hard limit came first (maybe just slow).
+        p, since, why = running["provider"], running["since"], running["why"]
+        rows.append({"name": p.name, "label": p.label, "error": why, "stacks": stacks, "message":
+                     f"no result {time.perf_counter() - since:.0f} s after it started (its share of the budget: "
+                     f"{running['share']:.0f} s); every thread's stack is in 'stacks'"})
+        rows.extend({"name": q.name, "label": q.label, "skipped": f"not run: {p.name} stopped the suite ({why})"}
+                    for q in providers.values() if all(r["name"] != q.name for r in rows))
+        report["e2e"], report["stopped_at"] = rows, p.name
+        save()
+        print(f"#     STOPPED ({why}): {p.name}; report written to {out}, exiting with status 3", flush=True)
+        os._exit(3)
+
+    dog = Watchdog(on_hang)
     for p in providers.values():
         if remaining() < 20:
             rows.append({"name": p.name, "label": p.label, "skipped": "suite time budget exhausted"})
@@ -564,7 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"#   {p.name} (load {load_average()[0]:.1f}, {remaining():.0f} s left)", flush=True)
         # The first providers may not use the last ones' share: each gets an equal part of what is left.
         left = [q for q in providers.values() if not any(r["name"] == q.name for r in rows)]
-        res = run_provider(p, settings, device, time.perf_counter() + remaining() / max(1, len(left)))
+        now = time.perf_counter()
+        share = remaining() / max(1, len(left))
+        hung_after, limit_after = share + PROVIDER_GRACE_S, hard_deadline - now
+        running.update(provider=p, since=now, share=share, why="hung" if hung_after <= limit_after else "time limit")
+        with dog.armed(min(hung_after, limit_after)):
+            res = run_provider(p, settings, device, now + share)
         _release_memory()
         rows.append(res)
         failed |= "error" in res and res["error"] != "out of memory"
@@ -575,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save()
     report["e2e"] = rows
     save()
+    shutil.rmtree(scratch, ignore_errors=True)
     print(report_markdown(report))
     print(f"# wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}", flush=True)
     return 1 if failed else 0
