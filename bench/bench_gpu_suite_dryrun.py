@@ -95,6 +95,12 @@ def test_kernel_goals_are_judged_from_the_grouped_bench() -> None:
     md = suite_report.goals_markdown(list(goals.values()))
     assert "| NO |" in md and "1.60" in md
     assert all(g["met"] is None for g in suite_report.kernel_goals([]))  # not measured (no GPU), not failed
+    # The step without device sums is judged on its own row.
+    rows.append({"name": "test_fused_steps_grouped_no_acc", "ratio_to_copy": 0.7, "ratio_to_torch_fused": 2.5,
+                 "enqueue_us_per_param": 4.0})
+    no_acc = {g["figure"]: g["met"] for g in suite_report.kernel_goals(rows, "test_fused_steps_grouped_no_acc")}
+    assert no_acc == {"ratio_to_copy": False, "ratio_to_torch_fused": True, "enqueue_us_per_param": True}
+    assert set(suite_report.GOALS_BENCHES) == {"test_fused_steps_grouped", "test_fused_steps_grouped_no_acc"}
 
 
 # A provider whose build never returns, in a suite whose hard limit is 3 s; numba's warm-up (a compile on a fresh

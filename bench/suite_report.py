@@ -8,22 +8,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["GOALS_BENCH", "KERNEL_GOALS", "e2e_markdown", "goals_markdown", "kernel_goals", "report_markdown",
-           "stress_line"]
+__all__ = ["GOALS_BENCH", "GOALS_BENCHES", "KERNEL_GOALS", "e2e_markdown", "goals_markdown", "kernel_goals",
+           "report_markdown", "stress_line"]
 
 # The device kernels' goals, judged on one step's grouped fused step over the weights of 8 layers of a 1B decoder
 # (bench_device_kernels.py's test_fused_steps_grouped): (figure, at least or at most, target, what it means).
+# ratio_to_torch_fused >= 2 asks for at most 7 bytes per bf16 parameter at torch's share of the bandwidth: the step
+# with device sums (accumulate="device") moves 11.8 at r = 0.1, so it reaches at best 1.19 ("torch_fused_byte_ratio");
+# without them (accumulate="host", grads_in_backward) 4.6, at best 3.0. Both are judged, each against its bound.
 KERNEL_GOALS = (
     ("ratio_to_copy", "min", 0.8, "streams at >= 80% of the bandwidth of a device copy of the same bytes"),
     ("ratio_to_torch_fused", "min", 2.0, "costs <= 0.5x torch.optim.AdamW(fused=True).step() on the same weights"),
     ("enqueue_us_per_param", "max", 10.0, "<= 10 us of host time per parameter to issue the step's launches"),
 )
 GOALS_BENCH = "test_fused_steps_grouped"
+GOALS_BENCHES = (GOALS_BENCH, "test_fused_steps_grouped_no_acc")
 
 
-def kernel_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each goal of ``KERNEL_GOALS`` with the measured figure and whether it is met (None when not measured)."""
-    row = next((r for r in rows if r.get("name") == GOALS_BENCH), {})
+def kernel_goals(rows: list[dict[str, Any]], bench: str = GOALS_BENCH) -> list[dict[str, Any]]:
+    """Each goal of ``KERNEL_GOALS`` with the figure ``bench`` measured and whether it is met (None when not
+    measured)."""
+    row = next((r for r in rows if r.get("name") == bench), {})
     out = []
     for key, sense, target, what in KERNEL_GOALS:
         value = row.get(key)
@@ -32,9 +37,8 @@ def kernel_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goals_markdown(goals: list[dict[str, Any]]) -> str:
-    lines = [f"Goals, from `{GOALS_BENCH}`:", "", "| goal | figure | measured | target | met |",
-             "|---|---|---:|---:|---|"]
+def goals_markdown(goals: list[dict[str, Any]], bench: str = GOALS_BENCH) -> str:
+    lines = [f"Goals, from `{bench}`:", "", "| goal | figure | measured | target | met |", "|---|---|---:|---:|---|"]
     for g in goals:
         value = "–" if g["value"] is None else f"{g['value']:.2f}"
         met = {None: "not measured", True: "yes", False: "NO"}[g["met"]]
@@ -100,14 +104,15 @@ def report_markdown(report: dict[str, Any]) -> str:
     rows = report.get("device_kernels", {}).get("rows", [])
     if rows:
         nan = float("nan")
-        parts.append("| bench | median µs | GB/s | × copy | × torch fused (faster > 1) | enqueue µs/param |\n"
-                     "|---|---:|---:|---:|---:|---:|\n" + "\n".join(
+        parts.append("| bench | median µs | GB/s | × copy | × torch fused (faster > 1) | its byte bound "
+                     "| enqueue µs/param |\n|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(
             f"| {r['name']} | {r['median_s'] * 1e6:.0f} | {r.get('GB/s', nan):.0f} "
             f"| {r.get('ratio_to_copy', nan):.2f} | {r.get('ratio_to_torch_fused', nan):.2f} "
-            f"| {r.get('enqueue_us_per_param', nan):.1f} |" for r in rows))
+            f"| {r.get('torch_fused_byte_ratio', nan):.2f} | {r.get('enqueue_us_per_param', nan):.1f} |"
+            for r in rows))
     else:
         parts.append(f"no results ({report.get('device_kernels', {}).get('error', 'see the log')})")
-    parts.append(goals_markdown(kernel_goals(rows)))
+    parts += [goals_markdown(kernel_goals(rows, bench), bench) for bench in GOALS_BENCHES]
     d = s["model"]
     parts += [
         "## End to end",
