@@ -38,15 +38,22 @@ class Watchdog:
     def __init__(self, on_hang: Callable[[str], None], *, backstop: float | None = 30.0) -> None:
         self.on_hang, self.backstop = on_hang, backstop
 
-    def _fire(self) -> None:
-        try:
-            self.on_hang(thread_stacks())
-        finally:
-            os._exit(3)  # on_hang normally exits itself; a broken one must not leave the hang running
+    @staticmethod
+    def _fire(on_hang: Callable[[str], None], lock: threading.Lock, done: list[bool]) -> None:
+        # The body may return just as the timer fires: whichever takes the lock first wins, so a body that returned
+        # is never reported as hung, and one reported as hung never goes on (its own exit waits for the lock).
+        with lock:
+            if done[0]:
+                return
+            try:
+                on_hang(thread_stacks())
+            finally:
+                os._exit(3)  # on_hang normally exits itself; a broken one must not leave the hang running
 
     @contextmanager
     def armed(self, seconds: float) -> Iterator[None]:
-        timer = threading.Timer(max(0.0, seconds), self._fire)
+        lock, done = threading.Lock(), [False]
+        timer = threading.Timer(max(0.0, seconds), self._fire, (self.on_hang, lock, done))
         timer.daemon = True
         if self.backstop is not None:
             # The interpreter's own stderr: it has a file descriptor even where sys.stderr was replaced.
@@ -56,6 +63,8 @@ class Watchdog:
         try:
             yield
         finally:
+            with lock:
+                done[0] = True
             timer.cancel()
             if self.backstop is not None:
                 faulthandler.cancel_dump_traceback_later()
