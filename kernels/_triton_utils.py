@@ -28,7 +28,9 @@ __all__ = [
     "adam_columns",
     "add_partials_",
     "bias_corrections",
+    "INT32_MAX",
     "check_launch_device",
+    "check_sides",
     "column_sums",
     "count_selected_steps",
     "device_guard",
@@ -69,6 +71,18 @@ def interpreting(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+# The kernels hold row and column indices and sizes in int32 (offsets go 64-bit where R*C may pass 2^31): a side must
+# stay below 2^31, or a program's first row (split * rows_per_split) or column wraps negative and passes the mask.
+INT32_MAX = 2**31 - 1
+
+
+def check_sides(name: str, t: torch.Tensor, rows: int, cols: int, module: str) -> None:
+    """Raise ``ValueError`` when a side of ``t`` (viewed as ``[rows, cols]``) is 2^31 or more."""
+    if max(rows, cols) > INT32_MAX:
+        raise ValueError(f"{module}: {name} of shape {tuple(t.shape)} has a side of 2^31 or more ([{rows}, {cols}]); "
+                         f"the Triton kernels index rows and columns in int32: use backend='torch'")
 
 
 def check_launch_device(name: str, t: torch.Tensor, kernel: object, module: str) -> None:

@@ -9,7 +9,16 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_column_sumsq_args
-from ._triton_utils import add_partials_, check_launch_device, device_guard, interpreting, plan_row_splits, tl, triton
+from ._triton_utils import (
+    add_partials_,
+    check_launch_device,
+    check_sides,
+    device_guard,
+    interpreting,
+    plan_row_splits,
+    tl,
+    triton,
+)
 from ._triton_utils import column_sums as _column_sums
 from ._triton_utils import store_column_sums as _store_column_sums
 
@@ -68,6 +77,7 @@ def column_sumsq_(
     a fixed order). The underscored keywords override block sizes and the row split (tests only).
     """
     rows, cols = check_column_sumsq_args(score, grad)
+    check_sides("grad", grad, rows, cols, "column_sumsq_")
     check_launch_device("grad", grad, _column_sumsq_kernel, __name__)
     if rows == 0 or cols == 0:
         return

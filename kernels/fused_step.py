@@ -25,10 +25,12 @@ from ._triton_utils import (
     FINISH_ADD_SCORES,
     FINISH_COUNT_STEPS,
     FINISH_FIELDS,
+    INT32_MAX,
     RowSplitPlan,
     adam_columns,
     bias_corrections,
     check_launch_device,
+    check_sides,
     column_sums,
     device_guard,
     finish_steps_,
@@ -231,6 +233,7 @@ def fused_step_(
         exp_avg_sq=exp_avg_sq, acc=acc, accumulate=accumulate,
     )
     require_hyperparams(hp)
+    check_sides("param", param, rows, cols, "fused_step_")
     check_launch_device("param", param, _fused_step_kernel, __name__)
     if check_slots:
         check_slot_range(slot, k)
@@ -281,8 +284,6 @@ _FIELDS = 16  # a power of two keeps a row on aligned 128-byte boundaries
 _ACCUMULATE, _COUNT, _COUNT_HERE = 4, 8, 16
 # The param dtypes as the kernel's PARAM_KIND.
 _PARAM_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# A row index or size must stay below 2^31: the kernel holds them as int32 (offsets in int64 where WIDE).
-_INT32_MAX = 2**31 - 1
 # The program map (one int64 per program of the launch): the program's call in the high 32 bits, its index among that
 # call's programs in the low 32. One load per program instead of a binary search over the calls' first programs
 # (~log2(calls) dependent loads, 7 for a 1B decoder's 56 weights + 1 for the row address).
@@ -294,7 +295,7 @@ _ALIGN = 16
 
 def _wide(rows: int, cols: int, block_r: int) -> bool:
     """Whether a call needs 64-bit offsets: the last tile's rows (past R, masked) times C may pass 2^31."""
-    return (rows + block_r) * cols > _INT32_MAX
+    return (rows + block_r) * cols > INT32_MAX
 
 
 @triton.jit
@@ -442,7 +443,7 @@ def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple[int, int, int]
         if len(shape) != 2 or len(mshape) != 2 or dtype not in _PARAM_KIND:
             return None
         rows, cols = shape
-        if mshape[0] != rows or mshape[1] > cols or rows > _INT32_MAX or cols > _INT32_MAX:
+        if mshape[0] != rows or mshape[1] > cols or rows > INT32_MAX or cols > INT32_MAX:
             return None
         vec = (cols,)
         f32, i32 = torch.float32, torch.int32
@@ -494,8 +495,7 @@ def fused_steps_(
             if c.param.device != device:
                 raise ValueError(f"fused_steps_: every call must be on one device; param is on {c.param.device}, "
                                  f"the first call's on {device}")
-            if max(shape[:2]) > _INT32_MAX:
-                raise ValueError(f"fused_steps_: a matrix side must stay below 2^31, got shape {shape[:2]}")
+            check_sides("param", c.param, shape[0], shape[1], "fused_steps_")
         if shape[0] and shape[1]:
             # Calls without an acc launch apart (HAS_ACC=False): their kernel has no acc traffic to compile in.
             groups.setdefault((c.param.dtype, c.hp, c.acc is not None), []).append((c, *shape))
@@ -536,6 +536,10 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
                   items: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]], aligned: bool,
                   device: torch.device, block_r: int, block_c: int) -> None:
     programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _ in items), block_r, block_c, device)
+    if device.type == "cuda":
+        # The cached map outlives this launch and may serve launches on other streams: once evicted, the allocator must
+        # not hand its memory out again (in its own stream's order) before every stream that read it is done.
+        programs.record_stream(torch.cuda.current_stream(device))
     partial_offsets, n_partial = [], 0
     for (c, _, cols, _, _), plan in zip(items, plans):
         split_scores = c.update_score and plan.splits > 1

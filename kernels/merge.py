@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_merge_args
-from ._triton_utils import check_launch_device, device_guard, interpreting, plan_row_splits, tl, triton
+from ._triton_utils import check_launch_device, check_sides, device_guard, interpreting, plan_row_splits, tl, triton
 
 __all__ = ["merge_"]
 
@@ -65,6 +65,7 @@ def merge_(
     The underscored keywords override block sizes and the row split (tests only).
     """
     rows, cols = check_merge_args(param, snapshot, slot)
+    check_sides("param", param, rows, cols, "merge_")
     check_launch_device("param", param, _merge_kernel, __name__)
     if rows == 0 or cols == 0:
         return

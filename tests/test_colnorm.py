@@ -76,6 +76,13 @@ def test_bad_input_raises_like_reference(bad):
     assert errors[0] == errors[1]
 
 
+def test_a_side_of_2_31_or_more_is_refused_by_name():
+    # int32 row and column indices in the kernel: refused on the sizes (meta tensors, no memory), before the device.
+    grad = torch.empty(4, 2**31, device="meta")
+    with pytest.raises(ValueError, match=r"column_sumsq_: grad of shape \(4, 2147483648\) has a side of 2\^31"):
+        colnorm.column_sumsq_(torch.empty(2**31, device="meta"), grad)
+
+
 def test_wrong_device_raises():
     score, grad = _case(5, 7, torch.float32)
     with pytest.raises(ValueError, match="meta.*CUDA.*backend='torch'"):

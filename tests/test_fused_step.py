@@ -294,6 +294,24 @@ def test_wrong_device_raises():
         run(fs.fused_step_, case)
 
 
+def _tall_meta(case: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """``case`` as meta tensors (no memory) with ``rows`` rows."""
+    return {n: torch.empty((rows, *t.shape[1:]) if t.dim() == 2 else t.shape, dtype=t.dtype, device="meta")
+            for n, t in case.items()}
+
+
+def test_a_side_of_2_31_or_more_is_refused_by_name():
+    # The kernels index rows and columns in int32: a program's first row would wrap negative and pass the row mask.
+    # Meta tensors: refused on the sizes, before the device check.
+    case = _tall_meta(make_case(5, 4, 1, torch.float32), 2**31)
+    with pytest.raises(ValueError, match=r"fused_step_: param of shape \(2147483648, 4\) has a side of 2\^31"):
+        run(fs.fused_step_, case)
+    with pytest.raises(ValueError, match=r"fused_steps_: param of shape \(2147483648, 4\) has a side of 2\^31"):
+        fs.fused_steps_([_args(case, dict(hp=HP, accumulate=True))])
+    with pytest.raises(ValueError, match="meta"):  # 2^31 - 1 rows pass the size check and meet the device check
+        run(fs.fused_step_, _tall_meta(make_case(5, 4, 1, torch.float32), 2**31 - 1))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU tensors")
 def test_cpu_tensor_without_interpreter_raises(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -83,6 +83,13 @@ def test_bad_input_raises_like_reference(bad):
     assert errors[0] == errors[1]
 
 
+def test_a_side_of_2_31_or_more_is_refused_by_name():
+    # int32 row and column indices in the kernel: refused on the sizes (meta tensors, no memory), before the device.
+    param = torch.empty(2**31, 4, device="meta")
+    with pytest.raises(ValueError, match=r"merge_: param of shape \(2147483648, 4\) has a side of 2\^31"):
+        merge.merge_(param, torch.empty_like(param), torch.empty(4, dtype=torch.int32, device="meta"))
+
+
 def test_wrong_device_raises():
     param, snapshot, slot = (t.to("meta") for t in _case(5, 7, 2, torch.float32))
     with pytest.raises(ValueError, match="meta.*CUDA.*backend='torch'"):

@@ -130,11 +130,15 @@ def _register_pages(ptr: int, nbytes: int, device: int) -> int:
 
 
 def _unregister_pages(ptr: int, device: int) -> None:
-    try:
+    # A slab can die without close() (the optimizer dropped, interpreter exit) while an asynchronous copy from or
+    # into it is still queued; CUDA does not say that unregistering waits for one, and the pages are unmapped right
+    # after. Rare (a slab's death), so a device-wide wait costs nothing that matters. A failed wait (a sticky CUDA
+    # error) must not keep the pages registered: their addresses may be mapped again.
+    with contextlib.suppress(Exception):  # at interpreter exit the CUDA runtime may already be gone
+        torch.cuda.synchronize(device)
+    with contextlib.suppress(Exception):
         with torch.cuda.device(device):
             torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - at interpreter exit the CUDA runtime may already be gone
-        pass
 
 
 def _error_string(err: int) -> str:

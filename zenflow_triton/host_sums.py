@@ -144,6 +144,11 @@ class HostSums:
                 grad.record_stream(copy)
             ready = torch.cuda.Event(blocking=True)
             ready.record(copy)
+        if any(grad is not None and grad._base is not None for _, grad, _ in landed):
+            # A gradient that views a larger buffer (DDP's gradient_as_bucket_view=True) is written in place by the
+            # next backward, which record_stream cannot see: the compute stream waits for the copies instead (the
+            # copies then overlap nothing of the next step, but read this step's gradient).
+            torch.cuda.current_stream(device).wait_event(ready)
         self.grads_read = ready
         return ready
 

@@ -373,9 +373,13 @@ class Pipeline:
         """DESIGN §5: wait for the previous job and apply it, ship this window's sums, submit the next job (and,
         with ``sync``, wait for it and apply it too). The host steps with each window's lr times ``lr_scale``
         (``host_lr_scale`` after warm-up, DESIGN §3)."""
-        self.wait(state, merge=True)
         device = windows[0].param.device
-        ready = self._ship_sums(windows, state) if device.type == "cuda" and not self.host_sums else None
+        ship = device.type == "cuda" and not self.host_sums
+        # The sums' copies need this step's fused kernels (they wrote acc), not the merges queued next: marked here,
+        # so that window w's sums cross PCIe while window w-1's results come back, not after them.
+        acc_written = torch.cuda.current_stream(device).record_event() if ship else None
+        self.wait(state, merge=True)
+        ready = self._ship_sums(windows, state, acc_written) if acc_written is not None else None
         if lr_scale != 1.0:  # 1.0 passes the group's lr through untouched (an int lr stays an int, as in torch)
             windows = [dataclasses.replace(w, hp=dataclasses.replace(w.hp, lr=w.hp.lr * lr_scale)) for w in windows]
         items = [self._host_item(w, state[w.param], ready) for w in windows]
@@ -414,14 +418,13 @@ class Pipeline:
                 st["acc_count"] = 0
         return windows
 
-    def _ship_sums(self, windows: Sequence[Window], state: State) -> torch.cuda.Event:
-        """Start the device-to-host copies of the windows' sums on the copy stream; the event marks their end."""
+    def _ship_sums(self, windows: Sequence[Window], state: State, acc_written: torch.cuda.Event) -> torch.cuda.Event:
+        """Start the device-to-host copies of the windows' sums on the copy stream once the compute stream is past
+        ``acc_written`` (this step's fused kernels); the event returned marks their end."""
         device = windows[0].param.device
-        compute = torch.cuda.current_stream(device)
         copy = self._d2h(device)
         rounds = self.config.grad_dtype == "bfloat16"
-        # The copies may start only after this step's fused kernels finished writing acc.
-        copy.wait_stream(compute)
+        copy.wait_event(acc_written)
         with torch.cuda.stream(copy):
             if self.test_delays.get("d2h"):
                 torch.cuda._sleep(self.test_delays["d2h"])
