@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zenflow_triton.config import DEFAULT_SELECT_WINDOWS
 
@@ -25,6 +25,9 @@ from .machine import current_machine_key
 from .model import DEFAULT_MAX_LOSS_RATIO, GRAD_BYTES, Plan, Targets, Workload
 from .profile import Profile
 from .quality import QualityTable, default_quality_table, load_quality_table
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI's --help starts without it
+    import torch
 
 __all__ = ["MEMORY_BUDGET_FRACTION", "QUALITY_ENV_VAR", "plan_for_optimizer", "quality_table_for"]
 
@@ -43,10 +46,12 @@ _probed: dict[str, Profile] = {}
 _probe_lock = threading.Lock()
 
 
-def _profile_for(device_type: str, grad_dtype: str) -> tuple[Profile, str]:
-    """This machine's saved profile, else one quick probe per process. A saved profile that cannot serve this plan
-    (invalid, no GPU figures for CUDA tensors, no rate for the config's gradient dtype) is treated as no profile:
-    the same quick probe, announced in one warning that says why the file was refused."""
+def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
+    """This machine's saved profile, else one quick probe per process, of ``device`` (the parameters': a rank whose
+    GPU is not the current device must not measure, or make a context on, GPU 0). A saved profile that cannot serve
+    this plan (invalid, no GPU figures for CUDA tensors, no rate for the config's gradient dtype) is treated as no
+    profile: the same quick probe, announced in one warning that says why the file was refused."""
+    device_type = device.type
     key = current_machine_key()
     path = default_profile_path(key)
     why = f"no machine profile at {path}"
@@ -76,7 +81,7 @@ def _profile_for(device_type: str, grad_dtype: str) -> tuple[Profile, str]:
                 "zenflow_triton autotune: %s; running a quick probe instead (a few seconds, not saved). "
                 "Run `python -m zenflow_triton.autotune` once for a full, saved profile.", why
             )
-            profile = probe_machine(ProbeSettings.quick_settings())
+            profile = probe_machine(ProbeSettings.quick_settings(), device=device if device_type == "cuda" else None)
             _probed[key] = profile
     return profile, "quick probe (this process)"
 
@@ -154,7 +159,7 @@ def plan_for_optimizer(
     if profile is not None:
         source = "given profile"
     else:
-        profile, source = _profile_for(device.type, grad_dtype)
+        profile, source = _profile_for(device, grad_dtype)
     budget: float | None = None
     kind = "cuda" if device.type == "cuda" else "cpu"
     if kind == "cuda":

@@ -35,15 +35,18 @@ __all__ = ["choose_threads", "plan", "plan_accumulate", "stall_grid"]
 _RATIO_STEPS = (0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
 
 
-def choose_threads(profile: Profile, grad_dtype: str) -> int:
-    """Measured thread count with the best host AdamW rate among those leaving one core to the training process.
+def choose_threads(profile: Profile, grad_dtype: str, *, device: str = "cpu") -> int:
+    """Measured thread count with the best host AdamW rate among those leaving one core to the training process,
+    two on CUDA (``device``), where autograd's device thread launches the backward's kernels beside it (as the
+    optimizer's own default, ``zenflow_triton.auto.default_cpu_threads``).
 
     The plain maximum (not "fewest within x% of the best"): a faster CPU must never make the plan worse.
     """
     table = profile.cpu_adamw.rates.get(grad_dtype)
     if not table:
         profile.cpu_adamw.rate(grad_dtype, 1)  # raises the ProfileError that names what was measured
-    allowed = [t for t in table if t <= max(1, profile.cpu_cores - 1)] or [min(table)]
+    reserved = 2 if device == "cuda" else 1
+    allowed = [t for t in table if t <= max(1, profile.cpu_cores - reserved)] or [min(table)]
     return max(allowed, key=lambda t: (table[t], -t))
 
 
@@ -151,7 +154,8 @@ def plan(
     """
     targets = targets or Targets()
     table = quality if quality is not None else default_quality_table()
-    threads = cpu_threads if cpu_threads is not None else choose_threads(profile, workload.grad_dtype)
+    threads = cpu_threads if cpu_threads is not None else choose_threads(profile, workload.grad_dtype,
+                                                                         device=workload.device)
     notes: list[str] = []
     fixed_k = overlap_steps if overlap_steps != "auto" else None
 

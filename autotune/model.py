@@ -45,7 +45,8 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 (``step_s = T + dev_s + stall_s / U``) against the predicted loss ratio vs AdamW from a measured quality table
 (:mod:`.quality`). Among the ``(r, U)`` within the loss budget (``Targets.max_loss_ratio``), the device-memory
 budget and the user's bounds, it takes the fastest, ties within ``Targets.speed_tolerance`` going to the lower
-loss; then the host thread count with the best measured rate that leaves one core to the training process.
+loss; then the host thread count with the best measured rate that leaves one core to the training process (two on
+CUDA, for autograd's device thread).
 
 The module is pure: it imports only :mod:`.profile`, :mod:`.quality`, :mod:`.results` and :mod:`.placement`, never
 the optimizer's package. What it needs from the optimizer's configuration (the number of windows between

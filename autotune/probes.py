@@ -156,7 +156,7 @@ def measure_pcie(
     from zenflow_triton.host_memory import HostSlab
 
     top = max(sizes)
-    slab = HostSlab([((top,), torch.uint8)], pin=True)
+    slab = HostSlab([((top,), torch.uint8)], pin=True, device=device)  # registered on the measured device
     host = slab.views[0]
     host.fill_(1)
     dev = torch.empty(top, dtype=torch.uint8, device=device)
@@ -177,6 +177,7 @@ def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.
         for i in range(repeats + 1):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
+                _queue_ahead()
                 start.record(stream)
                 dst.copy_(src, non_blocking=True)
                 end.record(stream)
@@ -193,6 +194,19 @@ def _pcie_curve(name: str, sizes: Sequence[int], host: torch.Tensor, dev: torch.
     return BandwidthCurve(kind=f"pcie-{name}", points=tuple(points))
 
 
+# Cycles of torch.cuda._sleep queued ahead of each timed copy (~0.5 ms at 2 GHz, far more than a launch takes): an
+# event recorded on an idle stream is stamped at once, before the host has even launched the copy behind it, and
+# those 5-10 us of host time would count as copy time (15-25% of a 64 MiB device copy at ~4 TB/s; 25-35% of a
+# 1 MiB PCIe copy). With the stream busy, the event, the copy and the end event all wait their turn on the device.
+_QUEUE_AHEAD_CYCLES = 1_000_000
+
+
+def _queue_ahead() -> None:
+    sleep = getattr(torch.cuda, "_sleep", None)  # private, but in every torch this project supports
+    if sleep is not None:
+        sleep(_QUEUE_AHEAD_CYCLES)
+
+
 def measure_gpu_memory(
     device: torch.device, *, nbytes: int, repeats: int = 3, progress: Progress | None = None,
     spread: dict[str, float] | None = None,
@@ -207,6 +221,7 @@ def measure_gpu_memory(
         a.fill_(1)
         for i in range(repeats + 1):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _queue_ahead()
             start.record()
             b.copy_(a)
             end.record()
@@ -234,8 +249,9 @@ def _thread_counts(cores: int, settings: ProbeSettings) -> list[int]:
         return sorted({t for t in settings.thread_counts if 1 <= t <= cores}) or [1]
     if not settings.quick:
         return list(range(1, cores + 1))
-    # A spread is enough to find where the memory-bound kernel stops scaling; the planner uses at most cores-1.
-    counts = {1, cores, max(1, cores - 1)}
+    # A spread is enough to find where the memory-bound kernel stops scaling; the planner uses at most cores-1
+    # (cores-2 on CUDA).
+    counts = {1, cores, max(1, cores - 1), max(1, cores - 2)}
     counts.update(2**i for i in range(1, int(math.log2(cores)) + 1))
     return sorted(counts)
 

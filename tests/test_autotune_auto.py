@@ -122,3 +122,28 @@ def test_auto_with_an_unusable_profile_trains_on_the_quick_probe(tmp_path, monke
     assert len(warnings) == 1 and "ignoring unusable profile" in warnings[0] and str(path) in warnings[0]
     assert opt.stats()["update_interval"] >= 1 and "quick probe" in opt.stats()["auto_reason"] + warnings[0]
     opt.close()
+
+
+def test_on_cuda_a_warmup_step_is_stamped_after_its_queued_merge(monkeypatch):
+    """A warm-up step returns with its merge (the host-to-device copy of every snapshot) still queued: step_ended
+    waits for the device before it stamps the step's end, so the next sample is the forward and backward alone."""
+    import time
+
+    clock = iter([1.3, 2.0, 2.9])  # the merge ends at 1.3; the next step() is entered at 2.0 with the device idle
+    synced = []
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto"))
+    cuda = torch.device("cuda", 0)
+    knobs.sample_step_time(0.0, cuda)  # the first step: nothing to sample yet
+    knobs.step_ended(1.0)  # step() returned at 1.0, its merge still queued
+    knobs.sample_step_time(2.0, cuda)
+    assert knobs.step_time_samples == [pytest.approx(0.7)]  # 2.0 - 1.3, not 2.0 - 1.0
+    knobs.step_ended(2.5)
+    assert synced == [cuda, cuda, cuda]
+    # CPU tensors merge before step() returns: nothing to wait for, the stamps are used as they are.
+    cpu_knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto"))
+    for t in (0.0, 1.0):
+        cpu_knobs.sample_step_time(t, torch.device("cpu"))
+        cpu_knobs.step_ended(t + 0.25)
+    assert cpu_knobs.step_time_samples == [pytest.approx(0.75)] and len(synced) == 3

@@ -65,6 +65,23 @@ def test_plan_for_optimizer_probes_once_and_hints_at_the_cli(monkeypatch, caplog
     assert not (cache_dir()).exists()  # nothing written to the user's cache implicitly
 
 
+def test_the_quick_probe_measures_the_parameters_device(monkeypatch):
+    """A rank whose parameters are on cuda:1 without set_device: the probe (and its pinned slab) must use cuda:1,
+    not the current device (a context on GPU 0 in every rank, and every rank measuring one GPU)."""
+    devices = []
+
+    def fake_probe(settings=None, *, device=None, **kw):
+        devices.append(device)
+        return synthetic_profile()
+
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", fake_probe)
+    profile, source = bridge._profile_for(torch.device("cuda", 1), "float32")
+    assert devices == [torch.device("cuda", 1)] and source == "quick probe (this process)"
+    monkeypatch.setattr(bridge, "_probed", {})
+    bridge._profile_for(torch.device("cpu"), "float32")
+    assert devices[1] is None  # CPU tensors: the probe's own choice (no GPU figures are needed)
+
+
 def test_plan_for_optimizer_keeps_fixed_values_and_handles_a_zero_step_time(caplog):
     prof = synthetic_profile()
     fixed = _plan(profile=prof, topk_ratio=0.3, update_interval=2)

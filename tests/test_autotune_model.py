@@ -402,6 +402,9 @@ def test_the_reason_is_a_few_short_lines():
 def test_threads_leave_a_core_for_training():
     assert choose_threads(make_profile(cores=16), "float32") == 15
     assert choose_threads(make_profile(cores=1), "float32") == 1
+    # On CUDA two: autograd's device thread launches the backward's kernels beside the training thread.
+    assert choose_threads(make_profile(cores=16), "float32", device="cuda") == 14
+    assert choose_threads(make_profile(cores=2), "float32", device="cuda") == 1
     # Memory-bound: the best rate wins; the fewest threads among equals.
     prof = make_profile(cores=8)
     table = {1: 1e8, 2: 2e8, 3: 3e8, 4: 3e8, 5: 2.9e8, 6: 2.8e8, 7: 2.8e8, 8: 5e8}
