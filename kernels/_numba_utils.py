@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -20,6 +21,14 @@ from numba import njit, types
 from numba.extending import intrinsic, overload, register_jitable
 
 from .hyperparams import AdamHyperparams
+
+# Every numba kernel module imports this one, and two threads launch their parallel regions at once: the worker's
+# host AdamW beside the adder's host add (accumulate="host", on any device), or beside the training thread's device
+# ops on CPU tensors. numba's workqueue layer aborts the process on that; omp and tbb allow it. Ask for a safe layer
+# unless the user already chose one (numba decides at the first parallel launch): where neither loads, that launch
+# raises numba's error naming the layers instead of aborting.
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "threadsafe"
 
 __all__ = [
     "U1",

@@ -41,12 +41,6 @@ if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run tim
 
 __all__ = ["column_sumsq_", "fused_step_", "fused_steps_", "merge_"]
 
-# These kernels run on the training thread while the host worker runs cpu_adamw's: two threads launching
-# parallel regions at once. numba's workqueue layer aborts on that; omp and tbb allow it. Ask for a safe
-# layer unless the user already chose one (the choice is made at the first parallel launch).
-if numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "threadsafe"
-
 # Rows summed into one partial score before the blocks are combined. The partial buffer holds R/64 rows of C
 # floats (1/64 of the gradient's size in fp32), and each block is a work item of 64 rows: even a 128-row
 # matrix splits over two threads, and a 4096 x 2048 weight makes 64 items for numba's static schedule.

@@ -5,6 +5,7 @@ the scatters are the CUDA path's; only pinning, the asynchronous copies and the 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -277,7 +278,13 @@ def test_in_place_migration_on_cuda_in_chunks_equals_reselect(monkeypatch: pytes
     objects = [st["master"] for st, _ in cases]
     expected = [reselect_(st, masks, k) for (st, masks), k in zip(twins, ks)]
     got = reselect_many_([(st, masks, k) for (st, masks), k in zip(cases, ks)])
-    assert got == expected
+    # The energies are sums of the scores, which a GPU reduces in another order than the CPU: equal to rounding.
+    # Everything that moved is compared bit for bit.
+    assert [replace(r, energy_selected=0.0, energy_all=0.0) for r in got] == [
+        replace(r, energy_selected=0.0, energy_all=0.0) for r in expected]
+    for r, e in zip(got, expected):
+        assert (r.energy_selected, r.energy_all) == (pytest.approx(e.energy_selected, rel=1e-5),
+                                                     pytest.approx(e.energy_all, rel=1e-5))
     for i, ((st, _), (st2, _)) in enumerate(zip(cases, twins)):
         assert_identical({k: v.cpu() for k, v in st.items()}, st2, f"param {i}")
         assert (st["master"] is objects[i]) == (shapes[i][2] == shapes[i][3])

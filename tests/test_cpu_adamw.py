@@ -9,6 +9,9 @@ agree to an ulp or two of the step, not bit for bit, and comparisons use toleran
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 from dataclasses import fields, replace
 
@@ -398,3 +401,16 @@ def test_f16_rounding_matches_torch() -> None:
         _special_floats(),
     ])
     _check_rounding(_f16_bits_array, x, torch.float16)
+
+
+@pytest.mark.parametrize(("env", "layer"), [(None, "threadsafe"), ("omp", "omp")])
+def test_the_host_kernels_ask_for_a_threadsafe_layer_unless_the_user_chose(env, layer):
+    """The worker's host AdamW and the adder's host add launch parallel regions at once (accumulate="host", on a
+    GPU too, where numba_device_ops is never imported): numba's workqueue layer would abort the process."""
+    environ = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if env is not None:
+        environ["NUMBA_THREADING_LAYER"] = env
+    code = ("import numba, zenflow_triton.kernels.host_accumulate, zenflow_triton.kernels.cpu_adamw; "
+            "print(numba.config.THREADING_LAYER)")
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == layer
