@@ -261,3 +261,55 @@ def test_a_slow_adder_is_waited_for_as_stall_and_changes_nothing(monkeypatch) ->
     assert stall >= 0.25 * delay * (steps - 2 - 2), stall
     for o in opts:
         o.close()
+
+
+def test_a_checkpoint_carries_its_placement_and_auto_takes_it_at_a_load_before_the_first_step() -> None:
+    """A load before the first step cannot see the step's peak (no forward has run), so accumulate="auto" would find
+    the device roomier than the run that saved the checkpoint did at its first step: on CUDA it takes the saved
+    placement. A given mode, grads_in_backward and CPU tensors (where "auto" is always "device") keep their own."""
+    from types import SimpleNamespace
+
+    from zenflow_triton.auto import place_sums
+
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
+                       min_offload_numel=MIN_OFFLOAD, accumulate="host")
+    assert opt.state_dict()["zenflow"]["accumulate"] is None  # not placed before the first step
+    opt.zero_grad()
+    loss_fn(model, 0).backward()
+    opt.step()
+    sd = opt.state_dict()
+    opt.close()
+    assert sd["zenflow"]["accumulate"] == "host" and all(g["zenflow"]["accumulate"] == "host"
+                                                           for g in sd["param_groups"])
+    cuda = [SimpleNamespace(device=torch.device("cuda", 0))]  # place_sums reads nothing else before it decides
+    auto = ZenFlowConfig(accumulate="auto")
+    assert place_sums(cuda, auto, "host")[0] == "host" and place_sums(cuda, auto, "device")[0] == "device"
+    assert "checkpoint" in place_sums(cuda, auto, "host")[1]
+    assert place_sums(cuda, ZenFlowConfig(accumulate="device"), "host")[0] == "device"
+    assert place_sums(cuda, ZenFlowConfig(accumulate="auto", grads_in_backward=True), "device")[0] == "host"
+    fresh = ZenFlowAdamW(Net().parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
+                         min_offload_numel=MIN_OFFLOAD)  # "auto" on CPU tensors: "device", whatever was saved
+    fresh.load_state_dict(sd)
+    assert fresh.stats()["accumulate"] == "device"
+    fresh.close()
+
+
+@pytest.mark.gpu
+def test_cuda_auto_resumes_in_the_checkpoints_placement() -> None:
+    """On CUDA, "auto" loaded before its first step takes the checkpoint's "host" (a roomy GPU would place "device")."""
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
+                       min_offload_numel=MIN_OFFLOAD, accumulate="host")
+    opt.zero_grad()
+    loss_fn(model, 0).backward()
+    opt.step()
+    sd = opt.state_dict()
+    opt.close()
+    fresh = ZenFlowAdamW(Net().cuda().parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
+                         min_offload_numel=MIN_OFFLOAD, accumulate="auto")
+    fresh.load_state_dict(sd)
+    stats = fresh.stats()
+    assert stats["accumulate"] == "host" and "checkpoint" in stats["accumulate_reason"]
+    fresh.close()

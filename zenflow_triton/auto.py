@@ -77,18 +77,22 @@ def default_cpu_threads(device: torch.device | None) -> int:
     return max(1, host_thread_share() - reserved)
 
 
-def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tuple[str, str]:
+def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig, saved: str | None = None) -> tuple[str, str]:
     """Where the window sums live ("device" or "host") and why: ``config.accumulate``, or for "auto" "host" with
-    ``grads_in_backward``, else the rule of
-    :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's figures. Called once, at the
-    first step (the model is built and has run a forward and a backward), before any device buffer of the
-    optimizer exists. ``params``: the offloaded parameters stepping first."""
+    ``grads_in_backward``, else the placement a checkpoint being loaded was trained with (``saved``, on CUDA), else
+    the rule of :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's figures. Called once,
+    at the first step (the model is built and has run a forward and a backward), or at a load before it, before any
+    device buffer of the optimizer exists. ``params``: the offloaded parameters stepping first."""
     choice = config.accumulate
     if choice != "auto":
         return choice, f"accumulate={choice!r} was given"
     if config.grads_in_backward:
         # A gradient captured in backward is held on the host until step() (config.py): only "host" can hold it.
         return "host", "grads_in_backward"
+    if saved in ("device", "host") and params[0].device.type == "cuda":
+        # A load before the first step sees no activations in the peak (no forward has run): the rule would think
+        # the device roomier than the run that saved the checkpoint found it at its first step, with them.
+        return saved, "the checkpoint's (decided at its run's first step; a load before this run's cannot see the peak)"
     from .autotune.placement import place_accumulation
     from .sharding import local
 

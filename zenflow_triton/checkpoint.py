@@ -401,7 +401,7 @@ def restore(opt: Any, state_dict: Mapping[str, Any]) -> None:
     # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
     # exists, so running out of host or device memory here leaves them as they were.
     offloaded, new_state = split_plan(plan)
-    loaded = opt._pipeline.stage_load(offloaded)
+    loaded = opt._pipeline.stage_load(offloaded, zenflow.get("accumulate") if zenflow is not None else None)
     group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
                     for sg in state_dict["param_groups"]]
     # Nothing below raises or allocates.

@@ -202,7 +202,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with self._pipeline.deferred_interrupts():
             self._pipeline.rehome(self.state)
             self._pipeline.wait(self.state, merge=False)
-        zenflow = {**self._knobs.state_dict(), "step": self._schedule.step}
+        zenflow = {**self._knobs.state_dict(), "step": self._schedule.step, "accumulate": self._pipeline.accumulate}
         sd = checkpoint.pack(self.param_groups, self.state, self._pipeline.records, zenflow)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)

@@ -214,15 +214,15 @@ class Pipeline:
             _host_kernels_requested = True
             self._job, self._job_compiles = self.worker.submit(compile_host_kernels), True
 
-    def stage_load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]]) -> Any:
+    def stage_load(self, saved: Sequence[tuple[torch.Tensor, Mapping[str, Any]]], placement: str | None = None) -> Any:
         """The first half of ``load_state_dict``: a new slab and state for every offloaded parameter, filled from
         ``saved``, with nothing of this pipeline changed (an allocation that fails leaves it as it was). The
         parameters are not written either: a parameter that is its own master gets the saved master at
-        :meth:`commit_load`."""
+        :meth:`commit_load`. ``placement``: the checkpoint's accumulate, for "auto" not yet decided (place_sums)."""
         if not saved:
             return None
         staged: dict[torch.Tensor, dict[str, Any]] = {}
-        slab, records = self._allocate([p for p, _ in saved], staged)
+        slab, records = self._allocate([p for p, _ in saved], staged, placement)
         for p, entries in saved:
             load_offloaded(p, staged[p], records[p], entries, write_own_master=False)
         return slab, records, staged, saved
@@ -248,8 +248,8 @@ class Pipeline:
                 rec.host["host_master"].copy_(entries["master"].detach().reshape(rec.rows, rec.cols))
         self._start_compile()
 
-    def _allocate(self, params: Sequence[torch.Tensor],
-                  state: State) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
+    def _allocate(self, params: Sequence[torch.Tensor], state: State,
+                  placement: str | None = None) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
         grad_dtype = torch.bfloat16 if self.config.grad_dtype == "bfloat16" else torch.float32
         device = params[0].device
         if device.type == "cuda":
@@ -259,7 +259,7 @@ class Pipeline:
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         if self.accumulate is None:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
-            self.accumulate, self.accumulate_reason = place_sums(params, self.config)
+            self.accumulate, self.accumulate_reason = place_sums(params, self.config, placement)
             if self.accumulate == "host":
                 self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
