@@ -154,7 +154,8 @@ def test_reselect_many_on_cuda_equals_reselect_per_parameter() -> None:
 @pytest.mark.gpu
 def test_a_large_selection_leaves_no_pinned_staging_cached() -> None:
     """torch's caching host allocator would keep a first selection's pinned staging (all k columns: here 302 MB,
-    a 512 MB block) page-locked for the rest of the run; the migration hands it back once its copies are done."""
+    a 512 MB block) page-locked for the rest of the run; staging that large gets a slab of its own, which goes with
+    the migration."""
     rows, cols, k = 4096, 8192, 6144
     st, _ = make_state(rows, cols, 0, seed=0)
     st = {key: t if key.startswith("host_") else t.cuda() for key, t in st.items()}

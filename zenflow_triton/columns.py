@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .host_memory import HostSlab
+
 __all__ = [
     "ColumnMasks",
     "ColumnMove",
@@ -267,9 +269,21 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _staging(numel: int, device: torch.device) -> torch.Tensor:
-    """fp32 host memory for one packed transfer: pinned (from torch's caching host allocator, which also keeps a
-    block from being reused while an asynchronous copy still reads it) when the other side is a GPU."""
-    return torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+    """fp32 host memory for one packed transfer: pinned when the other side is a GPU. A small one from torch's
+    caching host allocator (it also keeps a block from being reused while an asynchronous copy still reads it); a
+    large one (a first selection stages all k columns: 12r bytes per parameter, 8.4 GB for 7B at r = 0.1) in a
+    :class:`HostSlab` of exactly its size, as the optimizer's own host state: the caching allocator would round it
+    up to a power of two and keep it page-locked, and uncounted, for the rest of the process. The caller
+    synchronizes before the stage goes (the slab unregisters when its last view dies)."""
+    if device.type != "cuda":
+        return torch.empty(numel, dtype=torch.float32)
+    if 4 * numel <= _CACHED_STAGING_BYTES:
+        return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+    return HostSlab([((numel,), torch.float32)], pin=True, device=device).views[0]
+
+
+# Staging above this many bytes gets a slab of its own (see _staging).
+_CACHED_STAGING_BYTES = 256 << 20
 
 
 # The in-place permutation of a selection step with k unchanged (:func:`_permute_in_place`) goes through a temporary
@@ -475,22 +489,4 @@ def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
             if size:
                 _write_leaving(m, leaving, leave_host[lo : lo + size])
                 lo += size
-        stage = blocks = leave_host = join_host = None  # every copy is done: the pinned staging may go
-        if 4 * (leave_total + join_total) > _KEEP_PINNED_BYTES:
-            _release_cached_pinned()
     return out
-
-
-# Staging above this many bytes is handed back to the driver after its selection step (see _release_cached_pinned).
-_KEEP_PINNED_BYTES = 256 << 20
-
-
-def _release_cached_pinned() -> None:
-    """Give torch's cached, unused pinned host blocks back. Its caching host allocator rounds each block up to a
-    power of two and keeps it for the life of the process: a first selection stages all k columns of every parameter
-    (12r bytes per parameter, 8.4 GB for 7B at r = 0.1: a 16 GB block), which would stay page-locked, unused (later
-    selections stage only the columns that change) and uncounted in ``pinned_bytes``. The next small pinned
-    allocation (a grouped launch's call table) pays one cudaHostAlloc again."""
-    empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5; older ones keep the block
-    if empty is not None:
-        empty()
