@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prebuilt = [FusedStepArgs(**t, hp=hp, accumulate=True) for t in params]
 
-    def check_only() -> None:  # the per-call check fused_steps_ runs before it builds the table
+    def check_only() -> None:  # the per-call check (and address reads) fused_steps_ runs before it builds the table
         device = prebuilt[0].param.device
         for c in prebuilt:
             fused_step._quick_check(c, device)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         ("triton launcher, one fused_steps_ for all (kernel stubbed)", _median_us_per_param(grouped, n, r)),
         ("... the same with the calls built once (what bench_device_kernels' enqueue_us_per_param times)",
          _median_us_per_param(lambda: fused_step.fused_steps_(prebuilt), n, r)),
-        ("... of which its per-call check (_quick_check)", _median_us_per_param(check_only, n, r)),
+        ("... of which its per-call check and address reads (_quick_check)", _median_us_per_param(check_only, n, r)),
         ("numba backend, fused_step_ per parameter (64 x 256, runs)", _median_us_per_param(
             lambda: per_param(numba_device_ops), n, r)),
         ("torch backend, fused_step_ per parameter (64 x 256, runs)", _median_us_per_param(

@@ -11,6 +11,7 @@ the calls' tensors reached through a table of addresses), with bit-identical res
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import struct
@@ -432,36 +433,54 @@ def _plan(rows: int, cols: int, block_r: int, block_c: int) -> RowSplitPlan:
     return plan_row_splits(rows, cols, block_r=block_r, block_c=block_c)
 
 
-def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple[int, int, int] | None:
-    """(R, C, k) when every tensor of the call has the dtype, shape, device and layout the kernel needs, else None
-    (the caller then runs the full check, which raises the error that says what is wrong). The checks of
-    ``check_fused_step_args`` with the fewest attribute reads (~5 us per call instead of ~18); anything unexpected
-    (not a tensor, a sparse one) raises here and is left to the full check too."""
+def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple | None:
+    """``(c, R, C, k, addresses, aligned)`` when every tensor of the call has the dtype, shape, device and layout the
+    kernel needs, else None (the caller then runs the full check, which raises the error that says what is wrong).
+    The addresses are param's, grad's, score's, slot's, col_step's, master's, exp_avg's, exp_avg_sq's and acc's (0
+    for none); ``aligned``: all of them and C are multiples of _ALIGN. The checks of ``check_fused_step_args`` with
+    the fewest attribute reads, each tensor read once for its checks and its address (``bench/launch_overhead.py``
+    times it); anything unexpected (not a tensor, a sparse one) raises here and is left to the full check too."""
     try:
-        p, m = c.param, c.master
+        p, m, acc = c.param, c.master, c.acc
         dtype, shape, mshape = p.dtype, p.shape, m.shape
-        if len(shape) != 2 or len(mshape) != 2 or dtype not in _PARAM_KIND:
+        if len(shape) != 2 or len(mshape) != 2 or dtype not in _PARAM_KIND or type(c.hp) is not AdamHyperparams:
             return None
         rows, cols = shape
         if mshape[0] != rows or mshape[1] > cols or rows > INT32_MAX or cols > INT32_MAX:
             return None
+        if acc is None and c.accumulate:
+            return None  # the full check raises
         vec = (cols,)
         f32, i32 = torch.float32, torch.int32
-        checked = ((p, dtype, shape), (c.grad, dtype, shape), (c.score, f32, vec), (c.slot, i32, vec),
-                   (c.col_step, i32, vec), (m, f32, mshape), (c.exp_avg, f32, mshape), (c.exp_avg_sq, f32, mshape))
-        if c.acc is not None:
-            checked += ((c.acc, f32, shape),)
-        elif c.accumulate:
-            return None  # the full check raises
-        for t, want_dtype, want in checked:
+        ptrs, bits = [], cols
+        for t, want_dtype, want in ((p, dtype, shape), (c.grad, dtype, shape), (c.score, f32, vec),
+                                    (c.slot, i32, vec), (c.col_step, i32, vec), (m, f32, mshape),
+                                    (c.exp_avg, f32, mshape), (c.exp_avg_sq, f32, mshape), (acc, f32, shape)):
             # is_contiguous() is False for strided tensors that are not, and raises for sparse ones.
-            if t.dtype != want_dtype or t.shape != want or not t.is_contiguous() or t.device != device:
+            if t is not None and (t.dtype != want_dtype or t.shape != want or not t.is_contiguous()
+                                  or t.device != device):
                 return None
-        if type(c.hp) is not AdamHyperparams:
-            return None
+            ptrs.append(0 if t is None else t.data_ptr())  # t is None: acc
+            bits |= ptrs[-1]
     except Exception:  # noqa: BLE001 - the full check says what is wrong
         return None
-    return rows, cols, mshape[1]
+    return c, rows, cols, mshape[1], tuple(ptrs), bits % _ALIGN == 0
+
+
+def _checked(c: FusedStepArgs, device: torch.device | None) -> tuple:
+    """``_quick_check``'s record for a call it turned down, after the full check (which raises if the call is wrong:
+    the quick check is stricter only in needing every tensor on the first call's device)."""
+    rows, cols, k = check_fused_step_args(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step,
+                                          master=c.master, exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc,
+                                          accumulate=c.accumulate)
+    require_hyperparams(c.hp)
+    if c.param.device != device:
+        raise ValueError(f"fused_steps_: every call must be on one device; param is on {c.param.device}, "
+                         f"the first call's on {device}")
+    check_sides("param", c.param, rows, cols, "fused_steps_")
+    tensors = (c.param, c.grad, c.score, c.slot, c.col_step, c.master, c.exp_avg, c.exp_avg_sq, c.acc)
+    ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    return c, rows, cols, k, ptrs, cols % 16 == 0 and not any(ptr % _ALIGN for ptr in ptrs)
 
 
 def fused_steps_(
@@ -484,21 +503,21 @@ def fused_steps_(
         return
     first = calls[0].param
     device = first.device if isinstance(first, torch.Tensor) else None
-    groups: dict[tuple[torch.dtype, AdamHyperparams, bool], list[tuple[FusedStepArgs, int, int, int]]] = {}
+    # Launches per hyperparameter record (equal records share one; compared, not hashed: hashing one costs more than
+    # the rest of this loop), then per (dtype, has acc: HAS_ACC=False compiles no acc traffic, aligned) -> calls.
+    groups: list[tuple[AdamHyperparams, dict[tuple[torch.dtype, bool, bool], list[tuple]]]] = []
+    hp = launches = None
     for c in calls:
-        shape = _quick_check(c, device)
-        if shape is None:
-            shape = check_fused_step_args(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step,
-                                          master=c.master, exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc,
-                                          accumulate=c.accumulate)
-            require_hyperparams(c.hp)
-            if c.param.device != device:
-                raise ValueError(f"fused_steps_: every call must be on one device; param is on {c.param.device}, "
-                                 f"the first call's on {device}")
-            check_sides("param", c.param, shape[0], shape[1], "fused_steps_")
-        if shape[0] and shape[1]:
-            # Calls without an acc launch apart (HAS_ACC=False): their kernel has no acc traffic to compile in.
-            groups.setdefault((c.param.dtype, c.hp, c.acc is not None), []).append((c, *shape))
+        checked = _quick_check(c, device) or _checked(c, device)
+        if not (checked[1] and checked[2]):
+            continue
+        if c.hp is not hp:
+            hp = c.hp
+            launches = next((g for h, g in groups if h == hp), None)
+            if launches is None:
+                launches = {}
+                groups.append((hp, launches))
+        launches.setdefault((c.param.dtype, c.acc is not None, checked[5]), []).append(checked)
     if not groups:
         return
     check_launch_device("param", first, _fused_steps_kernel, __name__)
@@ -506,18 +525,9 @@ def fused_steps_(
     block_r = _block_r or (_INTERP_BLOCK_R if interp else _BLOCK_R)
     block_c = _block_c or _BLOCK_C
     with device_guard(first):
-        for (dtype, hp, has_acc), items in groups.items():
-            aligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
-            unaligned: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]] = []
-            for c, rows, cols, k in items:
-                ptrs = (c.param.data_ptr(), c.grad.data_ptr(), c.score.data_ptr(), c.slot.data_ptr(),
-                        c.col_step.data_ptr(), c.master.data_ptr(), c.exp_avg.data_ptr(), c.exp_avg_sq.data_ptr(),
-                        0 if c.acc is None else c.acc.data_ptr())
-                ok = cols % 16 == 0 and not any(ptr % _ALIGN for ptr in ptrs)
-                (aligned if ok else unaligned).append((c, rows, cols, k, ptrs))
-            for part, is_aligned in ((aligned, True), (unaligned, False)):
-                if part:
-                    _launch_group(dtype, hp, has_acc, part, is_aligned, device, block_r, block_c)
+        for hp, launches in groups:
+            for (dtype, has_acc, aligned), items in launches.items():
+                _launch_group(dtype, hp, has_acc, items, aligned, device, block_r, block_c)
 
 
 @functools.lru_cache(maxsize=32)
@@ -533,15 +543,14 @@ def _program_map(shapes: tuple[tuple[int, int], ...], block_r: int, block_c: int
 
 
 def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
-                  items: list[tuple[FusedStepArgs, int, int, int, tuple[int, ...]]], aligned: bool,
-                  device: torch.device, block_r: int, block_c: int) -> None:
-    programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _ in items), block_r, block_c, device)
+                  items: list[tuple], aligned: bool, device: torch.device, block_r: int, block_c: int) -> None:
+    programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _, _ in items), block_r, block_c, device)
     if device.type == "cuda":
         # The cached map outlives this launch and may serve launches on other streams: once evicted, the allocator must
         # not hand its memory out again (in its own stream's order) before every stream that read it is done.
         programs.record_stream(torch.cuda.current_stream(device))
     partial_offsets, n_partial = [], 0
-    for (c, _, cols, _, _), plan in zip(items, plans):
+    for (c, _, cols, _, _, _), plan in zip(items, plans):
         split_scores = c.update_score and plan.splits > 1
         partial_offsets.append(n_partial if split_scores else -1)
         n_partial += plan.splits * cols if split_scores else 0
@@ -551,7 +560,7 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
     finish: list[int] = []  # the finishing launch's table (FINISH_FIELDS per call)
     finish_program = 0
     has_state = wide = False
-    for (c, rows, cols, k, ptrs), plan, offset in zip(items, plans, partial_offsets):
+    for (c, rows, cols, k, ptrs, _), plan, offset in zip(items, plans, partial_offsets):
         mode = 0 if not c.update_score else (1 if offset < 0 else 2)
         param, grad, score, slot, col_step, master, exp_avg, exp_avg_sq, acc = ptrs
         partial = base + 4 * offset if offset >= 0 else score
@@ -582,7 +591,9 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 table on ``device``: built in pinned memory and copied without blocking the host (the caching host
-    allocator keeps the block until the copy has read it)."""
+    allocator keeps the block until the copy has read it). Through an ``array`` of int64, which converts Python ints
+    about twice as fast as ``torch.tensor(values)``."""
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)  # keeps the array alive
     if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64)
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -552,6 +552,34 @@ def test_fused_steps_misaligned_tensor_takes_the_unaligned_launch():
         _assert_bitwise(a, b, f"call {i}")
 
 
+def test_fused_steps_launches_one_group_per_record_dtype_acc_and_alignment(monkeypatch):
+    """Equal hyperparameter records (distinct objects) share a launch; another record, another dtype, calls without an
+    acc and calls with a tensor off 16 bytes each get their own, and each call is in exactly one, in its order."""
+    launched = []
+    monkeypatch.setattr(fs, "_launch_group", lambda dtype, hp, has_acc, items, aligned, *rest: launched.append(
+        (dtype, hp, has_acc, aligned, [item[0] for item in items])))
+    f32, bf16 = torch.float32, torch.bfloat16
+    other = replace(HP, lr=HP.lr * 2)
+    specs = [(f32, replace(HP), True, 0), (f32, replace(HP), True, 0), (f32, other, True, 0), (bf16, HP, True, 0),
+             (f32, HP, False, 0), (f32, HP, True, 1), (f32, replace(HP), True, 0)]
+    calls = []
+    for i, (dtype, hp, with_acc, shift) in enumerate(specs):
+        case = make_case(8, 32, 4, dtype, seed=i)
+        if shift:
+            buf = torch.empty(8 * 32 + shift, dtype=dtype)
+            case["grad"] = buf[shift:].view(8, 32).copy_(case["grad"])
+        if not with_acc:
+            case["acc"] = None
+        calls.append(_args(case, dict(hp=hp, accumulate=with_acc)))
+    fs.fused_steps_(calls)
+    by_call = {id(c): i for i, c in enumerate(calls)}
+    got = [(dtype, hp == HP, has_acc, aligned, [by_call[id(c)] for c in items])
+           for dtype, hp, has_acc, aligned, items in launched]
+    assert sorted(map(repr, got)) == sorted(map(repr, [
+        (f32, True, True, True, [0, 1, 6]), (f32, False, True, True, [2]), (bf16, True, True, True, [3]),
+        (f32, True, False, True, [4]), (f32, True, True, False, [5])]))
+
+
 @pytest.mark.parametrize("splits", [None, 8], ids=["one_split", "splits"])
 @pytest.mark.parametrize("kmode", KMODES)
 def test_count_step_is_the_increment_then_the_step(kmode, splits):
