@@ -210,10 +210,16 @@ def _torch_group_seconds() -> float:
 
 
 def _enqueue_seconds(fn, rounds: int = 10) -> float:
-    """Host seconds to issue ``fn`` (launches only, the GPU still busy): the per-step CPU overhead."""
+    """Host seconds to issue ``fn`` (launches only, the GPU still busy): the per-step CPU overhead.
+
+    Warmed up with as many calls as are timed: each call's call tables go through pinned blocks of torch's caching
+    host allocator, held until their copies have run, so ``rounds`` calls queued back to back need ``rounds`` blocks.
+    With one call of warm-up the timed calls would pay ``cudaHostAlloc`` for the rest (a training run pays it in
+    its first steps only)."""
     import time
 
-    fn()
+    for _ in range(rounds):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(rounds):
