@@ -165,13 +165,18 @@ def _fused_step_kernel(
         if SCORE_MODE != 0:
             sq += g * g
         if HAS_ACC:
-            # acc only on unselected columns: its selected columns carry no meaning, so skipping them saves bandwidth.
-            acc_mask = row_mask[:, None] & unsel[None, :]
+            # acc changes on the unselected columns only (its selected columns carry no meaning, but keep their bits).
             if ACCUMULATE:
-                a = tl.load(acc_ptr + offs, mask=acc_mask, other=0.0) + g
+                # The whole tile, selected columns written back as read: a mask that is the same for 16 columns lets
+                # the compiler use 128-bit loads and stores, where a per-column one (which column is selected) made
+                # them 8 scalar loads a thread, 32 bytes apart across a warp. DRAM moves 32-byte sectors, and nearly
+                # every sector of a tile holds an unselected column, so the selected ones cost next to nothing more.
+                old = tl.load(acc_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old),
+                         mask=row_mask[:, None] & col_mask[None, :])
             else:
-                a = g  # first step of a window: acc is not read (it may hold anything)
-            tl.store(acc_ptr + offs, a, mask=acc_mask)
+                # First step of a window: acc is not read (it may hold anything), so only its unselected columns.
+                tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
         if HAS_STATE:
             st_mask = row_mask[:, None] & sel[None, :]
             st_offs = rows[:, None] * K + slot_i[None, :]
@@ -387,11 +392,13 @@ def _fused_steps_kernel(
         offs = rows[:, None] * C + cols[None, :]
         g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         sq += g * g
-        if HAS_ACC:
-            acc_mask = row_mask[:, None] & unsel[None, :]
-            a = tl.load(acc_ptr + offs, mask=tl.where(accumulate, acc_mask, False), other=0.0) + g
-            a = tl.where(accumulate, a, g)  # not 0 + g: that would turn -0.0 into +0.0
-            tl.store(acc_ptr + offs, a, mask=acc_mask)
+        if HAS_ACC:  # as _fused_step_kernel's (the whole tile when accumulating)
+            if accumulate:
+                old = tl.load(acc_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old),
+                         mask=row_mask[:, None] & col_mask[None, :])
+            else:
+                tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
         if HAS_STATE:
             if any_sel:
                 # The state addresses are read here, once per tile (a table row the SM has just read: an L1 hit),
