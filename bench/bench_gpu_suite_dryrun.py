@@ -68,6 +68,14 @@ def test_subprocess_result_parsers(tmp_path: Path) -> None:
     assert gpu_suite.kernel_bench_rows(tmp_path / "b.json")[0]["GB/s"] == 4000
     (tmp_path / "empty.json").write_text("")  # what --benchmark-disable leaves
     assert gpu_suite.kernel_bench_rows(tmp_path / "empty.json") == []
+    # A phase stopped at its limit leaves no --benchmark-json; the rows the bench appended as it went stand in,
+    # marked partial, without the line the kill cut short.
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text(json.dumps({"name": "test_fused_steps_grouped", "median_s": 2e-3, "ratio_to_copy": 0.9})
+                         + "\n" + '{"name": "test_fused_steps_grou')
+    assert gpu_suite.kernel_bench_rows(tmp_path / "missing.json", rows_file) == [
+        {"name": "test_fused_steps_grouped", "median_s": 2e-3, "ratio_to_copy": 0.9, "partial": True}]
+    assert gpu_suite.kernel_bench_rows(tmp_path / "b.json", rows_file)[0]["name"] == "test_merge[bf16-r0.1]"
     r = gpu_suite.run_subprocess("echo", [sys.executable, "-c", "print('hello')"], tmp_path, timeout=60)
     assert r["returncode"] == 0 and "hello" in (tmp_path / "echo.log").read_text()
 

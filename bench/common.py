@@ -116,13 +116,16 @@ def make_host_buffers(
 
 
 def make_slot(cols: int, selected: float, *, pattern: str = "random", seed: int = 0) -> torch.Tensor:
-    """Slot map with ``round(selected * cols)`` selected columns: ``random`` (as top-k picks them) or ``block``."""
+    """Slot map with ``round(selected * cols)`` selected columns: ``random`` (as top-k picks them) or ``block``,
+    slots numbered in column order either way."""
     k = round(selected * cols)
     slot = torch.full((cols,), -1, dtype=torch.int32)
     if k == 0:
         return slot
     if pattern == "random":
-        cols_sel = torch.randperm(cols, generator=torch.Generator().manual_seed(seed))[:k]
+        # Slots in column order, as the optimizer hands them out (columns.py sorts the top-k indices), so the compact
+        # state of neighbouring selected columns is contiguous; a random order would make its loads a scattered gather.
+        cols_sel = torch.randperm(cols, generator=torch.Generator().manual_seed(seed))[:k].sort().values
     elif pattern == "block":
         cols_sel = torch.arange(k)
     else:

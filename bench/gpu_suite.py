@@ -156,10 +156,11 @@ def e2e_settings(*, quick: bool, dry_run: bool) -> E2ESettings:
 # ----------------------------------------------------------------------------------------------------- subprocesses
 
 
-def run_subprocess(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
+def run_subprocess(name: str, cmd: list[str], out: Path, timeout: float,
+                   extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``cmd`` in the repository root with a time limit; the log goes to ``OUTDIR/<name>.log``."""
     start = time.perf_counter()
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if not torch.cuda.is_available():
         env.setdefault("TRITON_INTERPRET", "1")  # --dry-run: the Triton kernels run in the interpreter
     result: dict[str, Any] = {"command": " ".join(cmd), "timeout_s": round(timeout)}
@@ -193,14 +194,28 @@ def junit_summary(path: Path) -> dict[str, Any]:
     return out
 
 
-def kernel_bench_rows(path: Path) -> list[dict[str, Any]]:
-    """name, median seconds and the bench's extra_info (GB/s, ratio_to_copy...) from a --benchmark-json file."""
+def kernel_bench_rows(path: Path, rows_file: Path | None = None) -> list[dict[str, Any]]:
+    """name, median seconds and the bench's extra_info (GB/s, ratio_to_copy...) from a --benchmark-json file; when
+    it is missing (the phase stopped at its time limit: pytest-benchmark writes it at the session's end), the rows
+    the bench appended to ``rows_file`` as it measured them (``$ZENFLOW_BENCH_ROWS``), each marked ``partial``."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # missing, or empty (--benchmark-disable writes nothing)
-        return []
-    return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
-            for b in data.get("benchmarks", [])]
+        data = None
+    if data is not None:
+        return [{"name": b["name"], "median_s": b["stats"]["median"], **b.get("extra_info", {})}
+                for b in data.get("benchmarks", [])]
+    rows = []
+    try:
+        lines = rows_file.read_text().splitlines() if rows_file is not None else []
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            rows.append({**json.loads(line), "partial": True})
+        except ValueError:  # a line cut short when the process was killed
+            continue
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
@@ -415,13 +430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     py = sys.executable
     scratch = Path(tempfile.mkdtemp(prefix="gpu_suite_"))  # JUnit XML: summarized in the report, not left in OUTDIR
 
-    def pytest_phase(name: str, pytest_args: list[str], timeout: float) -> dict[str, Any]:
+    def pytest_phase(name: str, pytest_args: list[str], timeout: float,
+                     extra_env: dict[str, str] | None = None) -> dict[str, Any]:
         junit = scratch / f"{name}.xml"
         # -v: each test's name and outcome reach the log as it ends, which is what a phase killed at its limit
         # leaves (no JUnit XML then); --durations: what to shrink if a phase outgrows its share.
         r = run_subprocess(name, [py, "-m", "pytest", *pytest_args, "-v", "--durations=15", "-p", "no:cacheprovider",
                                   "-o", f"faulthandler_timeout={TEST_STACKS_AFTER_S}", f"--junitxml={junit}"], out,
-                           timeout)
+                           timeout, extra_env)
         r.update(junit_summary(junit))
         return r
 
@@ -448,8 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_args = ["bench/bench_device_kernels.py", f"--benchmark-json={bjson}"]
         if args.dry_run:
             bench_args.append("--benchmark-disable")
-        r = pytest_phase("device_kernels", bench_args, min(0.12 * budget, remaining() - 60))
-        r["rows"] = kernel_bench_rows(bjson)
+        rows_file = scratch / "device_kernels.jsonl"  # each row as it is measured: kept if the phase is stopped
+        r = pytest_phase("device_kernels", bench_args, min(0.15 * budget, remaining() - 60),
+                         {"ZENFLOW_BENCH_ROWS": str(rows_file)})
+        r["rows"] = kernel_bench_rows(bjson, rows_file)
         r["goals"] = {bench: kernel_goals(r["rows"], bench) for bench in GOALS_BENCHES}
         failed |= r.get("returncode") not in (0, 5)
         report["device_kernels"] = r
