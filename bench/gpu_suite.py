@@ -53,6 +53,7 @@ CUDA, 3 when a provider was stopped (rerun the rest with ``--providers``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -132,7 +133,8 @@ class E2ESettings:
     seq: int
     dtype: str
     timed_steps: int
-    """Timed steps per provider, rounded up to whole windows of a ZenFlow provider."""
+    """Timed steps per provider, rounded up to whole selection intervals of a ZenFlow provider (whole windows when
+    an interval is longer than ``max_timed_steps``; the row then says that no selection step was timed)."""
     sync_timed_steps: int
     """Timed steps of the providers that do a full host AdamW every step (seconds each at 1B+ parameters)."""
     max_timed_steps: int
@@ -264,9 +266,15 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, MemoryError)) and ("out of memory" in msg or "cannot allocate" in msg)
 
 
+def _add_note(res: dict[str, Any], note: str) -> None:
+    res["note"] = f"{res['note']}; {note}" if res.get("note") else note
+
+
 def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.device, deadline: float) -> dict[str, Any]:
     """Fine-tune the decoder with one provider; everything it allocates is local and freed when it returns."""
     res: dict[str, Any] = {"name": provider.name, "label": provider.label}
+    if provider.note:
+        res["note"] = provider.note
     opt = None
     try:
         torch.manual_seed(0)
@@ -275,8 +283,10 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
         with torch.device(device):
             model = Decoder(s.model).to(getattr(torch, s.dtype))
         if device.type == "cuda":
-            # After the fp32 init and its bf16 copy: the peak should be training's, not the model build's.
+            # After the fp32 init and its bf16 copy: the peak should be training's, not the model build's. What is
+            # allocated now is the model (and anything an earlier provider left behind: recorded, to see it).
             torch.cuda.reset_peak_memory_stats(device)
+            res["gpu_allocated_at_start_bytes"] = torch.cuda.memory_allocated(device)
         params = list(model.parameters())
         res["params"] = sum(p.numel() for p in params)
         opt = provider.build(params)
@@ -300,7 +310,7 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
 
         # Warm-up: ZenFlow's own warm-up ("auto" measures the step time there), then the first selection step
         # and the rest of that window, whose host job compiles or loads the numba kernel; others: 2 steps.
-        window, timed = 1, s.timed_steps
+        window, unit, timed = 1, 1, s.timed_steps
         t0 = time.perf_counter()
         if provider.zenflow:
             for _ in range(steps_before_selection(opt) + 1):
@@ -310,7 +320,11 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
             for _ in range(window - 1):
                 train_step()
             res.update(topk_ratio=st["topk_ratio"], update_interval=window, select_interval=st["select_interval"],
-                       cpu_threads=st["cpu_threads"])
+                       cpu_threads=st["cpu_threads"], accumulate=st["accumulate"])
+            # Whole selection intervals where the cap allows: each holds one selection step, which waits for the
+            # host job in flight, so a timed loop without one would leave that wait out of ms/step.
+            select = int(st["select_interval"] or window)
+            unit = select if select <= max(s.max_timed_steps, window) else window
             if st.get("auto_reason"):
                 res["auto_reason"] = st["auto_reason"]
             if st["topk_ratio"] == 0 and window == 1:
@@ -320,15 +334,16 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
                 train_step()
             if provider.name == "torchao_offload":
                 timed = s.sync_timed_steps
-        timed = min(max(timed, window), max(s.max_timed_steps, window))
-        timed = math.ceil(timed / window) * window  # whole windows
+        unit = max(unit, window)
+        timed = min(max(timed, unit), max(s.max_timed_steps, unit))
+        timed = math.ceil(timed / unit) * unit  # whole windows (whole selection intervals where they fit)
         res["warmup_s"] = time.perf_counter() - t0
         stats0 = getattr(opt, "stats", dict)()
         step_log.clear()
         t0 = time.perf_counter()
         for i in range(timed):
             if i % window == 0 and time.perf_counter() > deadline and i:
-                res["note"] = f"stopped after {i} of {timed} steps: suite time budget"
+                _add_note(res, f"stopped after {i} of {timed} steps: suite time budget")
                 break
             train_step()
         wall = time.perf_counter() - t0
@@ -346,9 +361,12 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
         if stats1:
             res["stall_fraction"] = (stats1["stall_s"] - stats0["stall_s"]) / wall
             res["selections_timed"] = stats1["selections"] - stats0["selections"]
+            if res["selections_timed"] == 0 and res.get("topk_ratio"):
+                _add_note(res, "no selection step timed: ms/step leaves out its wait for the host job")
         res.update(optimizer_memory(opt, params))
         if device.type == "cuda":
             res["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            res["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         pinned1, rss1 = _pinned_allocator_bytes(), _rss_bytes()
         if pinned0 is not None and pinned1 is not None:
             res["pinned_allocator_bytes"] = pinned1 - pinned0
@@ -369,8 +387,16 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
 
 def e2e_providers(*, quick: bool) -> dict[str, OptimizerProvider]:
     # A hung host worker must become an error within the suite's budget, not after the default 10 minutes.
-    all_p = optimizer_providers(extra=("torchao_offload", "zenflow_host", "zenflow_host_gib"),
+    all_p = optimizer_providers(extra=("torchao_offload", "zenflow_host", "zenflow_host_gib", "sync_offload_host"),
                                 zenflow_kwargs={"worker_timeout": 120.0})
+    # The synchronous baseline as ZeRO-Offload runs it: the bf16 gradient to the host each step, not an fp32 device
+    # sum of one step copied out (what accumulate="auto" picks on a GPU): half the PCIe bytes, no fp32 device buffer.
+    all_p["sync_offload"] = dataclasses.replace(all_p.pop("sync_offload_host"), name="sync_offload")
+    # What a row's figures rest on that its label does not say (the model is bf16).
+    for name, note in (("torch_adamw_fused", "bf16 weights with bf16 moments and no fp32 master: 4 B/param of state"),
+                       ("torchao_offload", "bf16 master and moments on the host (ZenFlow's are fp32)")):
+        if name in all_p:
+            all_p[name] = dataclasses.replace(all_p[name], note=note)
     # In the order that matters if the budget runs out (the last ones then get shorter timed loops, or none): the
     # two baselines, the default knobs, "auto" (what a user gets), then the other modes.
     names = ["torch_adamw_fused", "sync_offload", "zenflow", "zenflow_auto", "zenflow_host", "zenflow_host_gib",

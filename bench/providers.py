@@ -238,7 +238,10 @@ def optimizer_providers(
     schedule), ``zenflow`` (``topk_ratio=0.1, update_interval=4``), and ``zenflow_auto`` when ``auto`` and the
     autotuner imports. ``extra`` adds ``torchao_offload`` (when torchao imports; CUDA only), ``zenflow_host``
     (``zenflow`` with ``accumulate="host"``: the window sum in host memory, for the device-memory rows) and
-    ``zenflow_host_gib`` (that with ``grads_in_backward=True``: the offloaded gradients consumed during backward).
+    ``zenflow_host_gib`` (that with ``grads_in_backward=True``: the offloaded gradients consumed during backward)
+    and ``sync_offload_host`` (``sync_offload`` with ``accumulate="host"``: each step's gradient copied to the host in
+    its own dtype, as ZeRO-Offload ships half-precision gradients, where "auto" on a GPU would sum it into an fp32
+    device buffer and copy that).
     ``cpu_threads`` is passed to every ZenFlowAdamW (None: the library's default, all cores but one), and so are
     ``zenflow_kwargs`` (e.g. a short ``worker_timeout`` for a suite that must not hang).
     """
@@ -263,6 +266,9 @@ def optimizer_providers(
     if auto and auto_unavailable_reason() is None:
         add(OptimizerProvider("zenflow_auto", "ZenFlow auto", zen(topk_ratio="auto", update_interval="auto"),
                               zenflow=True))
+    if "sync_offload_host" in extra:
+        add(OptimizerProvider("sync_offload_host", "sync offload (r=0, U=1, no overlap, gradients to host as they are)",
+                              zen(topk_ratio=0.0, update_interval=1, overlap=False, accumulate="host"), zenflow=True))
     if "zenflow_host" in extra:
         add(OptimizerProvider("zenflow_host", "ZenFlow r=0.1, U=4, accumulate=host",
                               zen(topk_ratio=0.1, update_interval=4, accumulate="host"), zenflow=True))

@@ -20,6 +20,7 @@ bf16 models. This file imports nothing else from bench/, so tests load it by pat
 from __future__ import annotations
 
 import argparse
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ def measure(make_opt: Callable[[nn.Module], object], *, dtype: torch.dtype = tor
         # here, before the baseline, or the first measurement of a process counts them as the optimizer's.
         mlp(1, 8, dtype, device)(torch.zeros(2, 8, dtype=dtype, device=device)).sum().backward()
         torch.cuda.synchronize()
+        gc.collect()  # an earlier optimizer held only by a reference cycle must not be freed inside the measurement
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     model = mlp(layers, width, dtype, device)
