@@ -75,13 +75,12 @@ _NUM_WARPS = 4
 # instead of 2048, at the same tile. Left to itself ptxas takes more than it needs: sm_90a, compiled on a CPU
 # (tests/triton_sm90_compile.py, `pytest -rA tests/test_triton_compile.py` prints each variant), uncapped -> capped,
 # registers/spill bytes, with state: triton 3.9 (ptxas 13.4) per-parameter 141-168 -> 149-168/0, grouped 160-230/0
-# -> 166-168/0-48; triton 3.6 (ptxas 12.8, the lent H200's) per-parameter 185-223 -> 166-168/0-12, grouped
-# 184-211/0 -> 168/0-72 (the spills: values parked across the loop, tests/test_triton_compile.py). Where it spills
-# the cap trades a few bytes of local memory (L1) per thread for the third program, and it costs 2-4% more
-# instructions per tile (SASS of the loop, triton 3.6: per-parameter bf16 928 -> 954, grouped bf16 987 -> 1026); a
-# cap of 128 (4 programs) spills inside the loop. Not measured on a GPU yet, so bench_device_kernels times the grouped
-# launch both ways (None: no cap).
-# The results do not change with it (the same arithmetic, scheduled and allocated differently).
+# -> 166-168/0-48; triton 3.6 (ptxas 12.8, the lent H200's) per-parameter 185-223 -> 166-168/0-12, grouped 184-211/0
+# -> 168/0-72, and 168/0-12 (bf16, fp16: 0; WIDE 88) since the acc tile is read and written whole (the spills: values
+# parked across the loop). Where it spills the cap trades a few bytes of local memory (L1) per thread for the third
+# program, and it costs 2-4% more instructions per tile (SASS of the loop, triton 3.6: per-parameter bf16 928 -> 954,
+# grouped bf16 987 -> 1026); a cap of 128 (4 programs) spills inside the loop. Not measured on a GPU yet, so
+# bench_device_kernels times the grouped launch both ways (None: no cap). The results do not change with it.
 STATE_MAXNREG: int | None = 168
 # Under the interpreter each tl op costs ~0.3 ms whatever the tile size (measured here: 2-core CPU, triton 3.9),
 # so fewer, taller tiles are what makes it fast.
@@ -161,21 +160,19 @@ def _fused_step_kernel(
         if WIDE:
             rows = rows.to(tl.int64)  # R*C (and R*K) pass 2^31
         offs = rows[:, None] * C + cols[None, :]
-        g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        g = tl.load(grad_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         if SCORE_MODE != 0:
             sq += g * g
         if HAS_ACC:
             # acc changes on the unselected columns only (its selected columns carry no meaning, but keep their bits).
             if ACCUMULATE:
-                # The whole tile, selected columns written back as read: a mask that is the same for 16 columns lets
-                # the compiler use 128-bit loads and stores, where a per-column one (which column is selected) made
-                # them 8 scalar loads a thread, 32 bytes apart across a warp. DRAM moves 32-byte sectors, and nearly
-                # every sector of a tile holds an unselected column, so the selected ones cost next to nothing more.
-                old = tl.load(acc_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old),
-                         mask=row_mask[:, None] & col_mask[None, :])
-            else:
-                # First step of a window: acc is not read (it may hold anything), so only its unselected columns.
+                # The whole tile, selected columns written back as read: 128-bit accesses, where a per-column mask made
+                # them 8 scalar ones a thread, 32 bytes apart across a warp; nearly every 32-byte sector of a tile
+                # holds an unselected column, so DRAM moves hardly more (DESIGN §6).
+                old = tl.load(acc_ptr + offs, mask=tile_mask, other=0.0)
+                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old), mask=tile_mask)
+            else:  # a window's first step: acc is not read (it may hold anything); its unselected columns only
                 tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
         if HAS_STATE:
             st_mask = row_mask[:, None] & sel[None, :]
@@ -390,13 +387,13 @@ def _fused_steps_kernel(
         if WIDE:
             rows = rows.to(tl.int64)
         offs = rows[:, None] * C + cols[None, :]
-        g = tl.load(grad_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        g = tl.load(grad_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         sq += g * g
         if HAS_ACC:  # as _fused_step_kernel's (the whole tile when accumulating)
             if accumulate:
-                old = tl.load(acc_ptr + offs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old),
-                         mask=row_mask[:, None] & col_mask[None, :])
+                old = tl.load(acc_ptr + offs, mask=tile_mask, other=0.0)
+                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old), mask=tile_mask)
             else:
                 tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
         if HAS_STATE:
@@ -441,12 +438,10 @@ def _plan(rows: int, cols: int, block_r: int, block_c: int) -> RowSplitPlan:
 
 
 def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple | None:
-    """``(c, R, C, k, addresses, aligned)`` when every tensor of the call has the dtype, shape, device and layout the
-    kernel needs, else None (the caller then runs the full check, which raises the error that says what is wrong).
-    The addresses are param's, grad's, score's, slot's, col_step's, master's, exp_avg's, exp_avg_sq's and acc's (0
-    for none); ``aligned``: all of them and C are multiples of _ALIGN. The checks of ``check_fused_step_args`` with
-    the fewest attribute reads, each tensor read once for its checks and its address (``bench/launch_overhead.py``
-    times it); anything unexpected (not a tensor, a sparse one) raises here and is left to the full check too."""
+    """``(c, R, C, k, addresses of FusedStepArgs' tensors in field order (acc None: 0), aligned: all and C multiples of
+    _ALIGN)`` when every tensor has the dtype, shape, device and layout the kernel needs, else None: the full check
+    then raises the error that says what is wrong (so does anything unexpected here: not a tensor, a sparse one).
+    ``check_fused_step_args``'s checks with each tensor read once (``bench/launch_overhead.py`` times it)."""
     try:
         p, m, acc = c.param, c.master, c.acc
         dtype, shape, mshape = p.dtype, p.shape, m.shape
@@ -475,8 +470,7 @@ def _quick_check(c: FusedStepArgs, device: torch.device) -> tuple | None:
 
 
 def _checked(c: FusedStepArgs, device: torch.device | None) -> tuple:
-    """``_quick_check``'s record for a call it turned down, after the full check (which raises if the call is wrong:
-    the quick check is stricter only in needing every tensor on the first call's device)."""
+    """``_quick_check``'s record after the full check, which raises for a call the quick check turned down."""
     rows, cols, k = check_fused_step_args(c.param, c.grad, score=c.score, slot=c.slot, col_step=c.col_step,
                                           master=c.master, exp_avg=c.exp_avg, exp_avg_sq=c.exp_avg_sq, acc=c.acc,
                                           accumulate=c.accumulate)
