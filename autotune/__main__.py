@@ -200,6 +200,9 @@ def _workload(profile: Profile, args: argparse.Namespace, params: float, step_ti
     kind = args.device if args.device != "auto" else ("cuda" if profile.gpu is not None else "cpu")
     param_bytes = _PARAM_BYTES[args.param_dtype]
     budget: float | None = None
+    if kind == "cpu" and profile.cpu_device is None:
+        raise ProfileError("cannot plan for CPU tensors: the profile has no device-step rates for CPU tensors (its "
+                           "probe measured for CUDA parameters only)")
     if kind == "cuda":
         if profile.gpu is None:
             raise ProfileError(f"cannot plan for CUDA: the profile has no GPU figures ({profile.gpu_unavailable})")

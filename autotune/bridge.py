@@ -40,9 +40,10 @@ logger = logging.getLogger("zenflow_triton")
 # fragmentation and the transient buffers of the device step (bf16 casts for the D2H, staging for the H2D).
 MEMORY_BUDGET_FRACTION = 0.9
 
-# Profiles measured by this process when none was on disk, by machine key: several optimizers in one
-# process probe once. Nothing is written to the user's cache implicitly; the CLI does that.
-_probed: dict[str, Profile] = {}
+# Profiles measured by this process when none was on disk, by machine key and device type (a probe for CUDA
+# parameters skips the device step on CPU tensors, which only a plan for CPU tensors reads): several optimizers in
+# one process probe once. Nothing is written to the user's cache implicitly; the CLI does that.
+_probed: dict[tuple[str, str], Profile] = {}
 _probe_lock = threading.Lock()
 
 
@@ -64,6 +65,8 @@ def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
         profile, path = found
         if device_type == "cuda" and profile.gpu is None:
             why = f"ignoring unusable profile {path}: no GPU figures ({profile.gpu_unavailable})"
+        elif device_type != "cuda" and profile.cpu_device is None:
+            why = f"ignoring unusable profile {path}: no device-step rates for CPU tensors (measured for CUDA only)"
         elif grad_dtype not in profile.cpu_adamw.rates:
             why = (f"ignoring unusable profile {path}: no host AdamW rate for {grad_dtype} gradients "
                    f"(measured: {', '.join(sorted(profile.cpu_adamw.rates))})")
@@ -73,16 +76,18 @@ def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
                                path, profile.machine_key, key)
             return profile, str(path)
     with _probe_lock:
-        profile = _probed.get(key)
-        if profile is None or (device_type == "cuda" and profile.gpu is None):
+        cuda = device_type == "cuda"
+        profile = _probed.get((key, "cuda" if cuda else "cpu"))
+        if profile is None or (cuda and profile.gpu is None):
             from .probes import ProbeSettings, probe_machine
 
             logger.warning(
                 "zenflow_triton autotune: %s; running a quick probe instead (a few seconds, not saved). "
                 "Run `python -m zenflow_triton.autotune` once for a full, saved profile.", why
             )
-            profile = probe_machine(ProbeSettings.quick_settings(), device=device if device_type == "cuda" else None)
-            _probed[key] = profile
+            settings = dataclasses.replace(ProbeSettings.quick_settings(), cpu_device_ops=not cuda)
+            profile = probe_machine(settings, device=device if cuda else None)
+            _probed[(key, "cuda" if cuda else "cpu")] = profile
     return profile, "quick probe (this process)"
 
 

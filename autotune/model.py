@@ -216,6 +216,9 @@ class Targets:
 
 def _device_rates(profile: Profile, workload: Workload) -> DeviceOpRates:
     if workload.device == "cpu":
+        if profile.cpu_device is None:
+            raise ValueError("the profile has no device-step rates for CPU tensors (its probe measured for CUDA "
+                             "parameters only); run `python -m zenflow_triton.autotune` on this machine")
         return profile.cpu_device
     if profile.gpu is None:
         raise ValueError(

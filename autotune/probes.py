@@ -75,6 +75,9 @@ class ProbeSettings:
     add_numels: tuple[int, ...] | None = None
     """Elements per host add call (the sizes of its curve); None: 64K (one thread: below the kernel's parallel
     threshold), 1M, and beyond the last-level cache (16M and 4M too for the full probe)."""
+    cpu_device_ops: bool = True
+    """Measure the device step on CPU tensors. False (the optimizer's quick probe for CUDA parameters, whose plan
+    never reads it) leaves ``Profile.cpu_device`` None and skips compiling the numba device ops (seconds, cold)."""
 
     @classmethod
     def quick_settings(cls) -> ProbeSettings:
@@ -401,8 +404,11 @@ def probe_machine(
     # enough (about 1 s per call at 4x on the 2-core CI VM) that a larger size buys nothing but time.
     dev_numel = settings.device_ops_numel or max(1 << 20, 2 * llc // 12)
     device_repeats = min(3, settings.adamw_repeats)
-    cpu_device = measure_cpu_device_ops(numel=dev_numel, repeats=device_repeats, progress=progress, spread=spread)
-    durations["cpu_device_ops"] = time.perf_counter() - start
+    cpu_device = None
+    if settings.cpu_device_ops:
+        cpu_device = measure_cpu_device_ops(numel=dev_numel, repeats=device_repeats, progress=progress,
+                                            spread=spread)
+        durations["cpu_device_ops"] = time.perf_counter() - start
     durations["total"] = time.perf_counter() - t_all
     try:
         load: float | None = os.getloadavg()[0]

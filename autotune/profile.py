@@ -340,8 +340,9 @@ class Profile:
     cpu_adamw: CpuAdamwRates
     memcpy: BandwidthCurve
     """Host-to-host copy bandwidth: the "copy" of a run on CPU tensors, where there is no PCIe."""
-    cpu_device: DeviceOpRates
-    """Device-side ops on CPU tensors (the torch backend), measured."""
+    cpu_device: DeviceOpRates | None
+    """Device-side ops on CPU tensors, measured; None when the probe skipped them (``ProbeSettings.cpu_device_ops``:
+    the optimizer's quick probe for CUDA parameters), and a plan for CPU tensors then refuses the profile."""
     gpu: GpuInfo | None = None
     gpu_unavailable: str | None = None
     """Why ``gpu`` is None (said, never invented)."""
@@ -395,7 +396,7 @@ class Profile:
             "load_average": self.load_average,
             "cpu_adamw": self.cpu_adamw.to_dict(),
             "memcpy": self.memcpy.to_dict(),
-            "cpu_device": self.cpu_device.to_dict(),
+            "cpu_device": None if self.cpu_device is None else self.cpu_device.to_dict(),
             "gpu": None if self.gpu is None else self.gpu.to_dict(),
             "gpu_unavailable": self.gpu_unavailable,
             "host_add": None if self.host_add is None else self.host_add.to_dict(),
@@ -418,6 +419,7 @@ class Profile:
         load = optional("load_average", None)
         gpu = optional("gpu", None)
         host_add = optional("host_add", None)
+        cpu_device = _get(d, "cpu_device", "")
         return cls(
             machine_key=str(_text(_get(d, "machine_key", ""), "machine_key")),
             hostname=str(_text(_get(d, "hostname", ""), "hostname")),
@@ -435,7 +437,7 @@ class Profile:
             load_average=None if load is None else _number(load, "load_average", zero=True),
             cpu_adamw=CpuAdamwRates.from_dict(_get(d, "cpu_adamw", ""), "cpu_adamw"),
             memcpy=BandwidthCurve.from_dict(_get(d, "memcpy", ""), "memcpy"),
-            cpu_device=DeviceOpRates.from_dict(_get(d, "cpu_device", ""), "cpu_device"),
+            cpu_device=None if cpu_device is None else DeviceOpRates.from_dict(cpu_device, "cpu_device"),
             gpu=None if gpu is None else GpuInfo.from_dict(gpu, "gpu"),
             gpu_unavailable=_text(optional("gpu_unavailable", None), "gpu_unavailable", optional=True),
             host_add=None if host_add is None else HostAddRates.from_dict(host_add, "host_add"),

@@ -193,9 +193,13 @@ def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | N
             + f"{_time(a.call_overhead_s[t]) if t in a.call_overhead_s else '-':>12}")
     lines.extend(_host_add_table(profile))
     d = profile.cpu_device
-    no_acc = "" if d.pass_no_acc_rate is None else f" ({d.pass_no_acc_rate / 1e6:.0f} without acc)"
-    add(f"  device step on CPU tensors ({d.source.removeprefix('measured: ')}): pass {d.pass_rate / 1e6:.0f} M elem/s"
-        f"{no_acc}, Adam on selected {d.adam_rate / 1e6:.0f} M elem/s, merge {d.merge_rate / 1e6:.0f} M elem/s")
+    if d is None:
+        add("  device step on CPU tensors: not measured (a probe for CUDA parameters)")
+    else:
+        no_acc = "" if d.pass_no_acc_rate is None else f" ({d.pass_no_acc_rate / 1e6:.0f} without acc)"
+        add(f"  device step on CPU tensors ({d.source.removeprefix('measured: ')}): pass "
+            f"{d.pass_rate / 1e6:.0f} M elem/s{no_acc}, Adam on selected {d.adam_rate / 1e6:.0f} M elem/s, "
+            f"merge {d.merge_rate / 1e6:.0f} M elem/s")
     add("")
     if where:
         lines.extend("  " + line for line in where)

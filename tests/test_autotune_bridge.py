@@ -82,6 +82,42 @@ def test_the_quick_probe_measures_the_parameters_device(monkeypatch):
     assert devices[1] is None  # CPU tensors: the probe's own choice (no GPU figures are needed)
 
 
+def test_the_quick_probe_for_cuda_skips_the_cpu_tensor_device_step(monkeypatch):
+    """The CPU-tensor device step (numba's device ops, seconds to compile cold) is measured only for a plan for CPU
+    tensors: a CUDA plan never reads it. The two probes are memoized apart, so neither serves the other's plan."""
+    import dataclasses
+
+    settings_seen = []
+
+    def fake_probe(settings=None, *, device=None, **kw):
+        settings_seen.append(settings)
+        prof = synthetic_profile(gpu=device is not None)
+        return prof if settings.cpu_device_ops else dataclasses.replace(prof, cpu_device=None)
+
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", fake_probe)
+    cuda_profile, _ = bridge._profile_for(torch.device("cuda", 0), "float32")
+    assert not settings_seen[0].cpu_device_ops and cuda_profile.cpu_device is None
+    cpu_profile, _ = bridge._profile_for(torch.device("cpu"), "float32")
+    assert settings_seen[1].cpu_device_ops and cpu_profile.cpu_device is not None
+    bridge._profile_for(torch.device("cuda", 0), "float32")
+    bridge._profile_for(torch.device("cpu"), "float32")
+    assert len(settings_seen) == 2  # each memoized
+
+
+def test_a_profile_without_cpu_tensor_rates_cannot_plan_cpu_tensors(tmp_path, monkeypatch):
+    import dataclasses
+
+    cuda_only = dataclasses.replace(synthetic_profile(), cpu_device=None)
+    with pytest.raises(ValueError, match="no device-step rates for CPU tensors"):
+        _plan(profile=cuda_only)
+    # Saved and found in the cache, it is refused for CPU tensors with one message, and a quick probe runs.
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env.json"))
+    save_profile(cuda_only, tmp_path / "env.json")
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
+    profile, source = bridge._profile_for(torch.device("cpu"), "float32")
+    assert profile.cpu_device is not None and source == "quick probe (this process)"
+
+
 def test_plan_for_optimizer_keeps_fixed_values_and_handles_a_zero_step_time(caplog):
     prof = synthetic_profile()
     fixed = _plan(profile=prof, topk_ratio=0.3, update_interval=2)

@@ -146,6 +146,18 @@ def test_planning_for_cuda_without_gpu_figures_exits_4(tmp_path, capsys):
     assert "no GPU figures" in err
 
 
+def test_a_profile_measured_for_cuda_only_plans_cuda_and_refuses_cpu(tmp_path, capsys):
+    """A profile without the CPU-tensor device step (the optimizer's quick probe for CUDA parameters skips it):
+    the CLI renders and plans it for CUDA, and refuses a plan for CPU tensors with exit status 4, saying why."""
+    path = save_profile(dataclasses.replace(synthetic_profile(gpu=True), cpu_device=None), tmp_path / "p.json")
+    code, out, err = run(["--load", str(path), "--device", "cuda", "--params", "1e8", "--step-time", "1"], capsys)
+    assert code == cli.EXIT_OK, err
+    assert "device step on CPU tensors: not measured" in out and "would choose" in out
+    code, _, err = run(["--load", str(path), "--device", "cpu", "--params", "1e8", "--step-time", "1"], capsys)
+    assert code == cli.EXIT_NO_PROFILE
+    assert "no device-step rates for CPU tensors" in err
+
+
 def test_unwritable_output_exits_5(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,6 +104,15 @@ def test_probe_machine_on_this_host(tiny_profile, tmp_path):
         assert prof.gpu is None
         assert "CUDA" in prof.gpu_unavailable
         assert prof.machine_key.endswith("__nogpu")
+    assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
+
+
+def test_a_probe_without_the_cpu_tensor_device_step_never_runs_it(monkeypatch, tmp_path):
+    """cpu_device_ops=False (the quick probe for CUDA parameters): no device-op probe, no numba device-op compile;
+    the profile says so (cpu_device None), and saves and loads."""
+    monkeypatch.setattr(probes, "measure_cpu_device_ops", lambda **kw: pytest.fail("must not measure"))
+    prof = probe_machine(dataclasses.replace(TINY, cpu_device_ops=False))
+    assert prof.cpu_device is None and "cpu_device_ops" not in prof.durations
     assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
 
 
