@@ -29,10 +29,12 @@ Phases, each with its own time limit, so one that hangs or fails does not take t
 4. end to end, in this process: a plain-torch Llama-style decoder (``decoder.py``: 1.37B parameters by default,
    random init, bf16, no positional encoding: positions do not change the cost) fine-tuned for some steps with each
    provider, in this order (the last ones get what is left of the budget): no offload
-   (``torch.optim.AdamW(fused=True)``, state on the GPU), synchronous offload (ZenFlowAdamW with
-   ``topk_ratio=0, update_interval=1, overlap=False``: the ZeRO-Offload schedule), ZenFlowAdamW (fixed ``0.1 / 4``,
-   ``"auto"`` when the autotuner imports, ``accumulate="host"`` with and without ``grads_in_backward``) and torchao's
-   ``CPUOffloadOptimizer`` (when torchao imports). Per provider: seconds per step over whole windows, the
+   (``torch.optim.AdamW(fused=True)``, bf16 state on the GPU), synchronous offload (ZenFlowAdamW with
+   ``topk_ratio=0, update_interval=1, overlap=False, accumulate="host"``: the ZeRO-Offload schedule, each step's bf16
+   gradient to the host), ZenFlowAdamW (fixed ``0.1 / 4``, ``"auto"`` when the autotuner imports,
+   ``accumulate="host"`` with and without ``grads_in_backward``) and torchao's ``CPUOffloadOptimizer`` (when torchao
+   imports). Per provider: seconds per step over whole selection intervals (whole windows where one is longer than
+   the cap), the
    optimizer's share of the step, the stall fraction (``stats()['stall_s']`` over the timed wall time), peak GPU memory
    (``torch.cuda.max_memory_allocated``), pinned host memory (the optimizer's own figure, and what torch's caching
    host allocator holds: it rounds every ``pin_memory=True`` block up to a power of two), the growth of the
@@ -322,9 +324,11 @@ def run_provider(provider: OptimizerProvider, s: E2ESettings, device: torch.devi
             res.update(topk_ratio=st["topk_ratio"], update_interval=window, select_interval=st["select_interval"],
                        cpu_threads=st["cpu_threads"], accumulate=st["accumulate"])
             # Whole selection intervals where the cap allows: each holds one selection step, which waits for the
-            # host job in flight, so a timed loop without one would leave that wait out of ms/step.
+            # host job in flight, so a timed loop without one would leave that wait out of ms/step (nothing is
+            # selected at r = 0: whole windows there, and the synchronous baseline keeps its few timed steps).
             select = int(st["select_interval"] or window)
-            unit = select if select <= max(s.max_timed_steps, window) else window
+            if st["topk_ratio"] and select <= max(s.max_timed_steps, window):
+                unit = select
             if st.get("auto_reason"):
                 res["auto_reason"] = st["auto_reason"]
             if st["topk_ratio"] == 0 and window == 1:

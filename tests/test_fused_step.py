@@ -622,6 +622,10 @@ def test_fused_steps_checks_every_call_like_fused_step():
         fs.fused_steps_([_args(bad, kw)])
     with pytest.raises(ValueError, match="on one device"):
         fs.fused_steps_([good, _args({n: t.to("meta") for n, t in clone(case).items()}, kw)])
+    # None is acc's alone (no sums); for any other tensor the call is refused, never launched on address 0.
+    for name in ("param", "grad", *(n for n in NAMES if n != "acc")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            fs.fused_steps_([good, _args({**clone(case), name: None}, kw)])
     fs.fused_steps_([])  # nothing to do
 
 
