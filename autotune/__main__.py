@@ -248,14 +248,16 @@ def _plans(profile: Profile, args: argparse.Namespace, quality: QualityTable) ->
 
 def _calmer_saved(target: Path, profile: Profile) -> Profile | None:
     """The profile saved at ``target`` if it is this machine's and was measured calmer (a lower median spread,
-    :attr:`Profile.noise`) than ``profile``; None when there is none, it cannot be read, or nothing says it is calmer
-    (a schema-1 file recorded no spread)."""
+    :attr:`Profile.noise`) than ``profile``; None when there is none, it cannot be read, nothing says it is calmer
+    (a schema-1 file recorded no spread), or it lacks figures ``profile`` has (GPU, CPU-tensor device step)."""
     try:
         saved = load_profile(target)
     except ProfileError:
         return None
     if saved.machine_key != profile.machine_key or saved.noise is None or profile.noise is None:
         return None
+    if (saved.gpu is None and profile.gpu is not None) or (saved.cpu_device is None and profile.cpu_device is not None):
+        return None  # the new one measured what the saved one lacks
     return saved if saved.noise < profile.noise else None
 
 

@@ -1,7 +1,7 @@
 """The optimizer's way into the autotuner: :func:`plan_for_optimizer`, what ``ZenFlowAdamW``'s ``"auto"`` calls.
 
 It finds this machine's profile (``$ZENFLOW_TRITON_PROFILE``, else the per-user cache, else a quick probe once
-per process) and the quality table (``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped one), sets the
+per process and device type) and the quality table (``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped one), sets the
 device-memory budget from the memory free now, and asks the cost model (:mod:`.model`) for a plan, passing the
 optimizer's defaults from :mod:`zenflow_triton.config`. The autotuner never imports the
 optimizer: the optimizer calls this function with plain values.
@@ -48,10 +48,11 @@ _probe_lock = threading.Lock()
 
 
 def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
-    """This machine's saved profile, else one quick probe per process, of ``device`` (the parameters': a rank whose
-    GPU is not the current device must not measure, or make a context on, GPU 0). A saved profile that cannot serve
-    this plan (invalid, no GPU figures for CUDA tensors, no rate for the config's gradient dtype) is treated as no
-    profile: the same quick probe, announced in one warning that says why the file was refused."""
+    """This machine's saved profile, else one quick probe per process and device type, of ``device`` (the
+    parameters': a rank whose GPU is not the current device must not measure, or make a context on, GPU 0). A saved
+    profile that cannot serve this plan (invalid, no GPU figures for CUDA tensors, no CPU-tensor device step for CPU
+    tensors, no rate for the config's gradient dtype) is treated as no profile: the same quick probe, announced in
+    one warning that says why the file was refused."""
     device_type = device.type
     key = current_machine_key()
     path = default_profile_path(key)

@@ -40,7 +40,8 @@ SCHEMA = "zenflow_triton.profile"
 # Bump when a field changes meaning or is added; READABLE_VERSIONS lists the versions this code still loads (an
 # older file without them is re-measured). 2 added the optional spread, repeats and load_average (version 1 files
 # load with them empty: not recorded). 3 added the optional host_add rates and cpu_device.pass_no_acc_rate (older
-# files load without them: the model then assumes, and says so).
+# files load without them: the model then assumes, and says so); a schema-3 file may hold a null cpu_device (a probe
+# for CUDA parameters only; written by the API, never by the CLI), which readers before it reject as malformed.
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 

@@ -443,8 +443,8 @@ def probe_machine(
         versions=versions,
         durations=durations,
         spread=spread,
-        repeats={"copy": settings.copy_repeats, "host_adamw": settings.adamw_repeats, "device_ops": device_repeats,
-                 "host_add": add_repeats},
+        repeats={"copy": settings.copy_repeats, "host_adamw": settings.adamw_repeats, "host_add": add_repeats,
+                 **({"device_ops": device_repeats} if settings.cpu_device_ops else {})},
         load_average=load,
         host_add=host_add,
     )

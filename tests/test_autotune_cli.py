@@ -439,6 +439,17 @@ def test_a_calmer_saved_profile_is_kept_unless_forced(tmp_path, monkeypatch, cap
         assert "holds one measured calmer (median spread 2%, this run 40%)" in out and "--force" in err
 
 
+def test_a_calmer_saved_profile_without_the_cpu_tensor_device_step_is_replaced(tmp_path, monkeypatch, capsys):
+    """Calmer, but lacking figures the new run has (a probe for CUDA parameters saved through the API): kept, every
+    CPU-tensor "auto" would refuse it and probe again in every process."""
+    target = tmp_path / "p.json"
+    save_profile(noisy(0.02, created="old", cpu_device=None), target)
+    monkeypatch.setattr(cli, "probe_machine", lambda *a, **k: noisy(0.40, created="new"))
+    code, _, err = run(["--output", str(target), "-q"], capsys)
+    assert code == cli.EXIT_OK, err
+    assert load_profile(target).created == "new"
+
+
 def test_a_busy_machine_is_warned_about_and_each_figure_shows_its_spread(tmp_path, capsys):
     busy = save_profile(noisy(0.4, load_average=5.0), tmp_path / "busy.json")
     code, out, _ = run(["--load", str(busy)], capsys)

@@ -112,7 +112,7 @@ def test_a_probe_without_the_cpu_tensor_device_step_never_runs_it(monkeypatch, t
     the profile says so (cpu_device None), and saves and loads."""
     monkeypatch.setattr(probes, "measure_cpu_device_ops", lambda **kw: pytest.fail("must not measure"))
     prof = probe_machine(dataclasses.replace(TINY, cpu_device_ops=False))
-    assert prof.cpu_device is None and "cpu_device_ops" not in prof.durations
+    assert prof.cpu_device is None and "cpu_device_ops" not in prof.durations and "device_ops" not in prof.repeats
     assert load_profile(save_profile(prof, tmp_path / "p.json")) == prof
 
 
