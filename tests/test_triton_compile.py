@@ -49,7 +49,7 @@ def test_kernels_compile_for_sm90() -> None:
         print(f"{c['kernel']} regs={c['n_regs']} maxnreg={c['maxnreg']} spill_bytes={c['spill_bytes']} "
               f"spills_in_loop={c.get('spills_in_loop', 0)} ld v4/v2/scalar={c['ld_v4']}/{c['ld_v2']}/{c['ld_scalar']} "
               f"ld_before_loop={c['ld_before_loop']} st v4/v2/scalar={c['st_v4']}/{c['st_v2']}/{c['st_scalar']} "
-              f"{constexprs}")
+              f"loop_sass={c.get('loop_sass', '-')} {constexprs}")
     # The grouped fused step streams its gradient tiles with 128-bit loads once the host vouches for the alignment
     # (ALIGNED, the launch for aligned tensors and C % 16 == 0), as the per-parameter kernel does from Triton's own
     # argument specialization; without them every element is its own load instruction.
@@ -73,6 +73,9 @@ def test_kernels_compile_for_sm90() -> None:
         elif c["spill_bytes"]:
             assert c["spills_in_loop"] is not None, "cuobjdump (bundled with triton) did not give the machine code"
             assert c["spills_in_loop"] <= SPILL_OPS_IN_LOOP, f"{c['kernel']} spills in its loop: {c}"
+    # Every fused-step variant reports what its streaming loop issues per tile (the README's issue-rate bound).
+    assert all(c.get("loop_sass") for c in report["compiled"] if c["kernel"] in ("fused_step", "fused_steps")), \
+        "cuobjdump (bundled with triton) did not give the machine code"
     for kernel in ("fused_step", "fused_steps"):
         for kind in ("False", "True"):
             assert any(c["kernel"] == kernel and f"('HAS_ACC', '{kind}')" in c["variant"]

@@ -86,8 +86,10 @@ class Recorder:
             compiled.append({"kernel": self.name, "variant": key, "cubin_bytes": len(ck.asm.get("cubin", b"")),
                              "maxnreg": kwargs.get("maxnreg"),
                              **ptxas_resources(ptx), **memory_ops(ptx)})
-            if compiled[-1]["spill_bytes"]:
-                compiled[-1]["spills_in_loop"] = spills_in_loop(ck.asm.get("cubin", b""))
+            if compiled[-1]["spill_bytes"] or self.name in LOOP_KERNELS:
+                loop = streaming_loop(ck.asm.get("cubin", b""))
+                compiled[-1]["spills_in_loop"] = None if loop is None else loop[0]
+                compiled[-1]["loop_sass"] = None if loop is None else loop[1]
 
         return launch
 
@@ -160,11 +162,17 @@ def ptxas_resources(ptx: str) -> dict[str, int | None]:
             "spill_bytes": int(spill_st.group(1)) + int(spill_ld.group(1)) if spill_st and spill_ld else None}
 
 
-def spills_in_loop(cubin: bytes) -> int | None:
-    """Spill instructions (``STL``/``LDL``, local memory) inside the streaming loop of the machine code (``cuobjdump
-    -sass``, bundled with triton): the loop is the span of a backward branch (overlapping spans merged) holding the
-    most global loads. A spill outside it is a value parked in local memory across the loop (ptxas's answer to a
-    register cap), read once per program; inside it, per tile. None where cuobjdump is not found or fails."""
+# Kernels whose streaming loop's machine code is counted (``loop_sass``) whether or not they spill.
+LOOP_KERNELS = ("fused_step", "fused_steps")
+
+
+def streaming_loop(cubin: bytes) -> tuple[int, int] | None:
+    """``(spill instructions, instructions)`` inside the streaming loop of the machine code (``cuobjdump -sass``,
+    bundled with triton): the loop is the span of a backward branch (overlapping spans merged) holding the most global
+    loads. A spill (``STL``/``LDL``, local memory) outside it is a value parked across the loop (ptxas's answer to a
+    register cap), read once per program; inside it, per tile. The instructions are what a thread issues per tile
+    (all paths of the loop body counted, so an upper bound where a branch is skipped). None where cuobjdump is not
+    found or fails."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -189,9 +197,10 @@ def spills_in_loop(cubin: bytes) -> int | None:
     if not ops:
         return None  # not the listing this parser knows
     if not merged:
-        return 0
+        return 0, 0
     lo, hi = max(merged, key=lambda s: sum(s[0] <= a <= s[1] and "LDG" in t for a, t in ops))
-    return sum(lo <= a <= hi and re.search(r"\b(STL|LDL)\b", t) is not None for a, t in ops)
+    body = [t for a, t in ops if lo <= a <= hi]
+    return sum(re.search(r"\b(STL|LDL)\b", t) is not None for t in body), len(body)
 
 
 fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
