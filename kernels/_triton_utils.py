@@ -6,6 +6,7 @@ Importing this module imports Triton; ``zenflow_triton.kernels`` itself never do
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -26,12 +27,15 @@ __all__ = [
     "FINISH_COUNT_STEPS",
     "FINISH_FIELDS",
     "adam_columns",
+    "adam_tile",
     "add_partials_",
     "bias_corrections",
     "INT32_MAX",
     "check_launch_device",
     "check_sides",
     "column_sums",
+    "compact_block",
+    "compact_columns",
     "count_selected_steps",
     "device_guard",
     "finish_steps_",
@@ -41,6 +45,7 @@ __all__ = [
     "load_steps",
     "plan_row_splits",
     "store_column_sums",
+    "stream_tile",
     "tl",
     "triton",
 ]
@@ -375,3 +380,76 @@ def adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_smal
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt[None, :]) + eps
     p = p - tl.div_rn(m * step_size[None, :], denom)  # reference: param.sub_(m.mul(step_size).div_(denom))
     return p, m, v
+
+
+@triton.jit
+def adam_tile(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, st_offs, p_offs, mask, g, step_size, bc2_sqrt,
+              decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED: tl.constexpr,
+              PARAM_BITS: tl.constexpr):
+    """The fused steps' AdamW on a tile of selected elements: the compact state at ``st_offs`` read, updated
+    (:func:`adam_columns`, per-column ``step_size`` and ``bc2_sqrt``) and written, and the param at ``p_offs`` written
+    from the new master (PARAM_BITS: ``param_ptr`` is a uint16 view of a bf16 param, rounded as torch rounds)."""
+    p = tl.load(master_ptr + st_offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + st_offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + st_offs, mask=mask, other=1.0)
+    p, m, v = adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest,
+                           beta2, beta2_rest, eps, DECOUPLED)
+    tl.store(master_ptr + st_offs, p, mask=mask)
+    tl.store(exp_avg_ptr + st_offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + st_offs, v, mask=mask)
+    if PARAM_BITS:
+        tl.store(param_ptr + p_offs, fp32_to_bf16_bits(p), mask=mask)
+    else:
+        tl.store(param_ptr + p_offs, p.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def compact_columns(sel, cols, slot_i, steps, BLOCK_K: tl.constexpr):
+    """The selected columns of a column block, packed: ``(n_sel, mask, column, slot, step count)`` of the first
+    ``BLOCK_K`` of them in column order (a prefix sum over ``sel`` ranks them), for the fused steps' compact Adam:
+    a [rows, BLOCK_K] sub-tile instead of the whole [rows, BLOCK_C] one, where at r = 0.1 nine lanes in ten would
+    compute Adam for nothing. Lanes past ``n_sel`` get column 0, slot 0 and step 1 (masked anyway). Exact integer
+    sums: each lane picks one column's values."""
+    n_sel = tl.sum(sel.to(tl.int32), axis=0)
+    rank = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    kk = tl.arange(0, BLOCK_K)
+    match = sel[None, :] & (rank[None, :] == kk[:, None])
+    c_mask = kk < n_sel
+    c_col = tl.sum(tl.where(match, cols[None, :], 0), axis=1)
+    c_slot = tl.sum(tl.where(match, slot_i[None, :], 0), axis=1)
+    c_steps = tl.where(c_mask, tl.sum(tl.where(match, steps[None, :], 0), axis=1), 1)
+    return n_sel, c_mask, c_col, c_slot, c_steps
+
+
+def compact_block(share: float, block_c: int) -> int:
+    """``BLOCK_K`` for calls that select ``share`` of their columns (``k / C``, the largest of a launch's): the
+    smallest power of two (16 at least, half of ``block_c`` at most) that holds twice a column block's expected
+    selection, so blocks rarely overflow it; one that does takes the whole-tile path (same results, more work)."""
+    want = triton.next_power_of_2(max(1, math.ceil(2 * block_c * min(max(share, 0.0), 1.0))))
+    return min(max(16, want), max(16, block_c // 2))
+
+
+@triton.jit
+def stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel, accumulate, HAS_ACC: tl.constexpr,
+                WIDE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One [BLOCK_R, BLOCK_C] tile of the fused steps' streaming loop, Adam aside: the gradient read once, its squares
+    added into ``sq`` (the scores), and ``acc`` updated on the unselected columns. ``accumulate``: the whole tile read
+    and written, its selected columns written back as read (128-bit accesses, where a per-column mask made them 8
+    scalar ones a thread, 32 bytes apart across a warp; nearly every 32-byte sector holds an unselected column, so
+    DRAM moves hardly more); else (a window's first step: acc may hold anything) its unselected columns written.
+    Returns ``(rows, row_mask, offs, g, sq)``."""
+    rows = row0 + r + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    if WIDE:
+        rows = rows.to(tl.int64)  # R*C (and R*K) pass 2^31
+    offs = rows[:, None] * C + cols[None, :]
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(grad_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
+    sq += g * g
+    if HAS_ACC:
+        if accumulate:
+            old = tl.load(acc_ptr + offs, mask=tile_mask, other=0.0)
+            tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old), mask=tile_mask)
+        else:
+            tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
+    return rows, row_mask, offs, g, sq

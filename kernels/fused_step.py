@@ -28,19 +28,21 @@ from ._triton_utils import (
     FINISH_FIELDS,
     INT32_MAX,
     RowSplitPlan,
-    adam_columns,
+    adam_tile,
     bias_corrections,
     check_launch_device,
     check_sides,
     column_sums,
+    compact_block,
+    compact_columns,
     device_guard,
     finish_steps_,
     finish_steps_grouped_,
-    fp32_to_bf16_bits,
     interpreting,
     load_steps,
     plan_row_splits,
     store_column_sums,
+    stream_tile,
     tl,
     triton,
 )
@@ -126,13 +128,15 @@ def _fused_step_kernel(
     decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
     SCORE_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_STATE: tl.constexpr,
     COUNT_STEPS: tl.constexpr, WIDE: tl.constexpr, PARAM_BF16: tl.constexpr, HAS_ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid: (column blocks, row splits); each program streams its rows [row0, row0 + rows_per_split) in BLOCK_R tiles.
     # COUNT_STEPS: 0 col_step is read as it is; 1 this update's counts are col_step + 1 on the selected columns, and
     # this program (the only split) stores them; 2 the same counts, stored after the launch (finish_steps_), since
     # every split reads them. WIDE: R*C may pass 2^31, so offsets are 64-bit (else 32-bit: half the registers).
-    # HAS_ACC=False (acc=None, accumulate="host"): acc_ptr is a stand-in, never read or written.
+    # HAS_ACC=False (acc=None, accumulate="host"): acc_ptr is a stand-in, never read or written. A block with at most
+    # BLOCK_K selected columns runs Adam on them alone, packed (compact_columns); with more, on the whole tile,
+    # masked. The same operations on the same values either way.
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -141,54 +145,44 @@ def _fused_step_kernel(
     unsel = col_mask & (slot < 0)
     row0 = split * rows_per_split
     n_rows = tl.minimum(rows_per_split, R - row0)
-    if SCORE_MODE != 0:
-        sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # the squares' sums (unused, so compiled away, without scores)
     if HAS_STATE:
         sel = col_mask & (slot >= 0)
         steps = load_steps(col_step_ptr, cols, sel, COUNT_STEPS != 0)
         if COUNT_STEPS == 1:
             tl.store(col_step_ptr + cols, steps, mask=sel)
-        step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_C)
         slot_i = tl.where(sel, slot, 0)
         if WIDE:
             slot_i = slot_i.to(tl.int64)
         # torch's lerp switches formula at weight 0.5 for accuracy; same switch here.
         lerp_small = lerp_w < 0.5
-    for r in range(0, n_rows, BLOCK_R):
-        rows = row0 + r + tl.arange(0, BLOCK_R)
-        row_mask = rows < R
-        if WIDE:
-            rows = rows.to(tl.int64)  # R*C (and R*K) pass 2^31
-        offs = rows[:, None] * C + cols[None, :]
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        g = tl.load(grad_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        if SCORE_MODE != 0:
-            sq += g * g
-        if HAS_ACC:
-            # acc changes on the unselected columns only (its selected columns carry no meaning, but keep their bits).
-            if ACCUMULATE:
-                # The whole tile, selected columns written back as read: 128-bit accesses, where a per-column mask made
-                # them 8 scalar ones a thread, 32 bytes apart across a warp; nearly every 32-byte sector of a tile
-                # holds an unselected column, so DRAM moves hardly more (DESIGN §6).
-                old = tl.load(acc_ptr + offs, mask=tile_mask, other=0.0)
-                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old), mask=tile_mask)
-            else:  # a window's first step: acc is not read (it may hold anything); its unselected columns only
-                tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
-        if HAS_STATE:
-            st_mask = row_mask[:, None] & sel[None, :]
-            st_offs = rows[:, None] * K + slot_i[None, :]
-            p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
-            m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
-            v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
-            p, m, v = adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w,
-                                   lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED)
-            tl.store(master_ptr + st_offs, p, mask=st_mask)
-            tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
-            tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
-            if PARAM_BF16:
-                tl.store(param_ptr + offs, fp32_to_bf16_bits(p), mask=st_mask)  # param_ptr is a uint16 view
-            else:
-                tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
+        n_sel, c_mask, c_col, c_slot, c_steps = compact_columns(sel, cols, slot_i, steps, BLOCK_K)
+        # One loop per path, so that neither holds the other's per-column values through it (registers).
+        if n_sel <= BLOCK_K:
+            c_size, c_bc2 = bias_corrections(c_steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_K)
+            for r in range(0, n_rows, BLOCK_R):
+                rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                          ACCUMULATE, HAS_ACC, WIDE, BLOCK_R)
+                # The gradient's selected elements re-read (the tile just loaded them: L1).
+                c_m2 = row_mask[:, None] & c_mask[None, :]
+                c_offs = rows[:, None] * C + c_col[None, :]
+                gc = tl.load(grad_ptr + c_offs, mask=c_m2, other=0.0).to(tl.float32)
+                adam_tile(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows[:, None] * K + c_slot[None, :],
+                          c_offs, c_m2, gc, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest,
+                          beta2, beta2_rest, eps, DECOUPLED, PARAM_BF16)
+        else:
+            step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+                                                    BLOCK_C)
+            for r in range(0, n_rows, BLOCK_R):
+                rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                          ACCUMULATE, HAS_ACC, WIDE, BLOCK_R)
+                adam_tile(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows[:, None] * K + slot_i[None, :],
+                          offs, row_mask[:, None] & sel[None, :], g, step_size, bc2_sqrt, decay, weight_decay,
+                          lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED, PARAM_BF16)
+    else:
+        for r in range(0, n_rows, BLOCK_R):
+            rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                      ACCUMULATE, HAS_ACC, WIDE, BLOCK_R)
     if SCORE_MODE != 0:
         # A fixed summation order, whatever the layout (column_sums says why): the grouped kernel gets the same bits.
         store_column_sums(score_ptr, partial_ptr, split, cols, col_mask, C, column_sums(sq, BLOCK_R, BLOCK_C),
@@ -214,6 +208,7 @@ def fused_step_(
     _block_r: int | None = None,
     _block_c: int | None = None,
     _rows_per_split: int | None = None,
+    _block_k: int | None = None,
 ) -> None:
     """One pass over ``grad [R, C]``, in place; same arguments and meaning as ``reference.fused_step_``.
 
@@ -223,13 +218,13 @@ def fused_step_(
         first incremented here, on the selected columns); the result is written into ``param`` in its own dtype
         (bf16 and fp16 rounded to nearest even);
     (c) unselected columns: ``acc = grad`` (``accumulate=False``) or ``acc += grad``; with ``acc=None`` nothing (no
-        accumulation target: ``accumulate=True`` is then a ValueError). Selected columns of ``acc`` are not written,
+        accumulation target: ``accumulate=True`` is then a ValueError). Selected columns of ``acc`` keep their bits,
         and nothing of ``param``/compact state outside the selected columns is touched.
     Tensors are CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``), contiguous, checked like the reference.
     Selected slots must be distinct and in ``[0, k)``; ``check_slots=True`` verifies the range (a device sync),
     otherwise a bad slot is an out-of-bounds access. Hyperparameters are runtime scalars: changing them never
     recompiles. Deterministic: identical inputs give bit-identical outputs (no atomics, fixed summation order).
-    The underscored keywords override block sizes and the row split (tests only).
+    The underscored keywords override block sizes, the row split and the packed Adam's width (tests only).
     """
     rows, cols, k = check_fused_step_args(
         param, grad, score=score, slot=slot, col_step=col_step, master=master, exp_avg=exp_avg,
@@ -264,6 +259,7 @@ def fused_step_(
             SCORE_MODE=score_mode, ACCUMULATE=bool(accumulate), DECOUPLED=hp.decoupled, HAS_STATE=k > 0,
             COUNT_STEPS=count, WIDE=_wide(rows, cols, block_r), PARAM_BF16=param.dtype == torch.bfloat16,
             HAS_ACC=acc is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+            BLOCK_K=_block_k or compact_block(k / cols, block_c),
             # No FMA contraction: the GPU then does the same IEEE operations as the interpreter, and results do not
             # change with Triton's default (which flips in 3.10).
             num_warps=_NUM_WARPS, enable_fp_fusion=False, maxnreg=STATE_MAXNREG if k > 0 else None,
@@ -308,6 +304,7 @@ def _fused_steps_kernel(
     decay, weight_decay, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
     PARAM_KIND: tl.constexpr, HAS_STATE: tl.constexpr, DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr,
     WIDE: tl.constexpr, HAS_ACC: tl.constexpr, FIELDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # _fused_step_kernel for every call of the table, each over its own (column blocks x row splits) programs of this
     # 1-D grid. What were constexprs there (score mode, accumulate, whether this call has compact state, step counting)
@@ -330,6 +327,7 @@ def _fused_steps_kernel(
     else:
         param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
         grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    acc_ptr = grad_ptr  # HAS_ACC=False: a stand-in, never read or written
     if HAS_ACC:
         acc_ptr = tl.load(row + 9).to(tl.pointer_type(tl.float32))
     R = tl.load(row + 10).to(tl.int32)
@@ -365,59 +363,57 @@ def _fused_steps_kernel(
         # A call without compact state (K = 0) has every slot -1, so `sel` is empty and the state code is skipped.
         sel = col_mask & (slot >= 0)
         any_sel = (tl.max(sel.to(tl.int32), axis=0) > 0) & (K > 0)
-        step_size = tl.zeros([BLOCK_C], dtype=tl.float32)
-        bc2_sqrt = tl.full([BLOCK_C], 1.0, dtype=tl.float32)
+        steps = tl.full([BLOCK_C], 1, dtype=tl.int32)
         if any_sel:
             # As load_steps: col_step (+ 1 when this call counts the step) on selected lanes, 1 elsewhere.
             stored = tl.load(col_step_ptr + cols, mask=sel, other=0)
             steps = tl.where(sel, stored + ((flags >> 3) & 1), 1)  # _COUNT
             # (tl.where, not sel & scalar: the interpreter cannot mask with a tensor & scalar of bools)
             tl.store(col_step_ptr + cols, steps, mask=tl.where((flags & 16) != 0, sel, False))  # _COUNT_HERE
-            step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
-                                                    BLOCK_C)
         slot_i = tl.where(sel, slot, 0)
         if WIDE:
             slot_i = slot_i.to(tl.int64)
         lerp_small = lerp_w < 0.5
+        n_sel, c_mask, c_col, c_slot, c_steps = compact_columns(sel, cols, slot_i, steps, BLOCK_K)
     else:
         unsel = col_mask
-    for r in range(0, n_rows, BLOCK_R):
-        rows = row0 + r + tl.arange(0, BLOCK_R)
-        row_mask = rows < R
-        if WIDE:
-            rows = rows.to(tl.int64)
-        offs = rows[:, None] * C + cols[None, :]
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        g = tl.load(grad_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        sq += g * g
-        if HAS_ACC:  # as _fused_step_kernel's (the whole tile when accumulating)
-            if accumulate:
-                old = tl.load(acc_ptr + offs, mask=tile_mask, other=0.0)
-                tl.store(acc_ptr + offs, tl.where(unsel[None, :], old + g, old), mask=tile_mask)
-            else:
-                tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
-        if HAS_STATE:
-            if any_sel:
-                # The state addresses are read here, once per tile (a table row the SM has just read: an L1 hit),
-                # not held across the loop: 6 fewer registers live through it (ptxas sm_90a, grouped fp32 181 -> 160
-                # with triton 3.9, 214 -> 198 with 3.6; the score addresses below, read after the loop, likewise).
-                master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-                exp_avg_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-                exp_avg_sq_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
-                st_mask = row_mask[:, None] & sel[None, :]
-                st_offs = rows[:, None] * K + slot_i[None, :]
-                p = tl.load(master_ptr + st_offs, mask=st_mask, other=0.0)
-                m = tl.load(exp_avg_ptr + st_offs, mask=st_mask, other=0.0)
-                v = tl.load(exp_avg_sq_ptr + st_offs, mask=st_mask, other=1.0)
-                p, m, v = adam_columns(p, m, v, g, step_size, bc2_sqrt, decay, weight_decay, lerp_small, lerp_w,
-                                       lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED)
-                tl.store(master_ptr + st_offs, p, mask=st_mask)
-                tl.store(exp_avg_ptr + st_offs, m, mask=st_mask)
-                tl.store(exp_avg_sq_ptr + st_offs, v, mask=st_mask)
-                if PARAM_KIND == 1:
-                    tl.store(param_ptr + offs, fp32_to_bf16_bits(p), mask=st_mask)
-                else:
-                    tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=st_mask)
+    # As _fused_step_kernel: one loop per path. The state addresses are read in the loop, once per tile (a table row
+    # the SM has just read: an L1 hit), not held across it: 6 fewer registers live through it (ptxas sm_90a, grouped
+    # fp32 181 -> 160 with triton 3.9, 214 -> 198 with 3.6; the score addresses, read after the loop, likewise).
+    if HAS_STATE:
+        if any_sel & (n_sel <= BLOCK_K):
+            c_size, c_bc2 = bias_corrections(c_steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BLOCK_K)
+            for r in range(0, n_rows, BLOCK_R):
+                rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                          accumulate, HAS_ACC, WIDE, BLOCK_R)
+                c_m2 = row_mask[:, None] & c_mask[None, :]
+                c_offs = rows[:, None] * C + c_col[None, :]
+                gc = tl.load(grad_ptr + c_offs, mask=c_m2, other=0.0).to(tl.float32)
+                adam_tile(tl.load(row + 6).to(tl.pointer_type(tl.float32)),
+                          tl.load(row + 7).to(tl.pointer_type(tl.float32)),
+                          tl.load(row + 8).to(tl.pointer_type(tl.float32)), param_ptr,
+                          rows[:, None] * K + c_slot[None, :], c_offs, c_m2, gc, c_size, c_bc2, decay, weight_decay,
+                          lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED, PARAM_KIND == 1)
+        elif any_sel:
+            step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
+                                                    BLOCK_C)
+            for r in range(0, n_rows, BLOCK_R):
+                rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                          accumulate, HAS_ACC, WIDE, BLOCK_R)
+                adam_tile(tl.load(row + 6).to(tl.pointer_type(tl.float32)),
+                          tl.load(row + 7).to(tl.pointer_type(tl.float32)),
+                          tl.load(row + 8).to(tl.pointer_type(tl.float32)), param_ptr,
+                          rows[:, None] * K + slot_i[None, :], offs, row_mask[:, None] & sel[None, :], g, step_size,
+                          bc2_sqrt, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
+                          DECOUPLED, PARAM_KIND == 1)
+        else:
+            for r in range(0, n_rows, BLOCK_R):
+                rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                          accumulate, HAS_ACC, WIDE, BLOCK_R)
+    else:
+        for r in range(0, n_rows, BLOCK_R):
+            rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
+                                                      accumulate, HAS_ACC, WIDE, BLOCK_R)
     sums = column_sums(sq, BLOCK_R, BLOCK_C)
     score_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     partial_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
@@ -492,6 +488,7 @@ def fused_steps_(
     *,
     _block_r: int | None = None,
     _block_c: int | None = None,
+    _block_k: int | None = None,
 ) -> None:
     """``fused_step_`` for every call, bit-identical to calling it for each in turn, in one launch per parameter dtype,
     hyperparameter record and presence of ``acc`` (two where some calls' tensors are not 16-byte aligned), plus one
@@ -531,7 +528,7 @@ def fused_steps_(
     with device_guard(first):
         for hp, launches in groups:
             for (dtype, has_acc, aligned), items in launches.items():
-                _launch_group(dtype, hp, has_acc, items, aligned, device, block_r, block_c)
+                _launch_group(dtype, hp, has_acc, items, aligned, device, block_r, block_c, _block_k)
 
 
 @functools.lru_cache(maxsize=32)
@@ -546,8 +543,8 @@ def _program_map(shapes: tuple[tuple[int, int], ...], block_r: int, block_c: int
     return codes.to(device), plans
 
 
-def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
-                  items: list[tuple], aligned: bool, device: torch.device, block_r: int, block_c: int) -> None:
+def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool, items: list[tuple], aligned: bool,
+                  device: torch.device, block_r: int, block_c: int, block_k: int | None) -> None:
     programs, plans = _program_map(tuple((rows, cols) for _, rows, cols, _, _, _ in items), block_r, block_c, device)
     if device.type == "cuda":
         # The cached map outlives this launch and may serve launches on other streams: once evicted, the allocator must
@@ -564,6 +561,7 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
     finish: list[int] = []  # the finishing launch's table (FINISH_FIELDS per call)
     finish_program = 0
     has_state = wide = False
+    share = 0.0  # the largest k / C: the packed Adam's width (compact_block)
     for (c, rows, cols, k, ptrs, _), plan, offset in zip(items, plans, partial_offsets):
         mode = 0 if not c.update_score else (1 if offset < 0 else 2)
         param, grad, score, slot, col_step, master, exp_avg, exp_avg_sq, acc = ptrs
@@ -574,6 +572,7 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
         table += (param, grad, score, partial, slot, col_step, master, exp_avg, exp_avg_sq, acc,
                   rows, cols, k, plan.rows_per_split, plan.col_blocks, flags)
         has_state |= k > 0
+        share = max(share, k / cols)
         wide |= _wide(rows, cols, block_r)
         count_after = count and plan.splits > 1
         if mode == 2 or count_after:
@@ -584,6 +583,7 @@ def _launch_group(dtype: torch.dtype, hp: AdamHyperparams, has_acc: bool,
         _to_device(table, device), programs, *_scalars(hp),
         PARAM_KIND=_PARAM_KIND[dtype], HAS_STATE=has_state, DECOUPLED=hp.decoupled, ALIGNED=aligned, WIDE=wide,
         HAS_ACC=has_acc, FIELDS=_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
+        BLOCK_K=block_k or (compact_block(share, block_c) if has_state else 16),
         # As fused_step_: no FMA contraction, the same warps and register cap.
         num_warps=_NUM_WARPS, enable_fp_fusion=False, maxnreg=STATE_MAXNREG if has_state else None,
     )

