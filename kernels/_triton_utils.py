@@ -43,6 +43,7 @@ __all__ = [
     "fp32_to_bf16_bits",
     "interpreting",
     "load_steps",
+    "packed_adam",
     "plan_row_splits",
     "store_column_sums",
     "stream_tile",
@@ -453,3 +454,17 @@ def stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel, acc
         else:
             tl.store(acc_ptr + offs, g, mask=row_mask[:, None] & unsel[None, :])
     return rows, row_mask, offs, g, sq
+
+
+@triton.jit
+def packed_adam(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows, row_mask, C, K, c_mask, c_col,
+                c_slot, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
+                DECOUPLED: tl.constexpr, PARAM_BITS: tl.constexpr):
+    """:func:`adam_tile` on a block's selected columns packed (:func:`compact_columns`): their gradient re-read (the
+    tile just loaded it: L1), their state and param at their slots and columns, masked past the block's count."""
+    c_m2 = row_mask[:, None] & c_mask[None, :]
+    c_offs = rows[:, None] * C + c_col[None, :]
+    gc = tl.load(grad_ptr + c_offs, mask=c_m2, other=0.0).to(tl.float32)
+    adam_tile(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows[:, None] * K + c_slot[None, :], c_offs, c_m2,
+              gc, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps,
+              DECOUPLED, PARAM_BITS)

@@ -40,6 +40,7 @@ from ._triton_utils import (
     finish_steps_grouped_,
     interpreting,
     load_steps,
+    packed_adam,
     plan_row_splits,
     store_column_sums,
     stream_tile,
@@ -163,13 +164,9 @@ def _fused_step_kernel(
             for r in range(0, n_rows, BLOCK_R):
                 rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
                                                           ACCUMULATE, HAS_ACC, WIDE, BLOCK_R)
-                # The gradient's selected elements re-read (the tile just loaded them: L1).
-                c_m2 = row_mask[:, None] & c_mask[None, :]
-                c_offs = rows[:, None] * C + c_col[None, :]
-                gc = tl.load(grad_ptr + c_offs, mask=c_m2, other=0.0).to(tl.float32)
-                adam_tile(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows[:, None] * K + c_slot[None, :],
-                          c_offs, c_m2, gc, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest,
-                          beta2, beta2_rest, eps, DECOUPLED, PARAM_BF16)
+                packed_adam(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, rows, row_mask, C, K, c_mask,
+                            c_col, c_slot, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2,
+                            beta2_rest, eps, DECOUPLED, PARAM_BF16)
         else:
             step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
                                                     BLOCK_C)
@@ -386,14 +383,11 @@ def _fused_steps_kernel(
             for r in range(0, n_rows, BLOCK_R):
                 rows, row_mask, offs, g, sq = stream_tile(grad_ptr, acc_ptr, sq, r, row0, R, C, cols, col_mask, unsel,
                                                           accumulate, HAS_ACC, WIDE, BLOCK_R)
-                c_m2 = row_mask[:, None] & c_mask[None, :]
-                c_offs = rows[:, None] * C + c_col[None, :]
-                gc = tl.load(grad_ptr + c_offs, mask=c_m2, other=0.0).to(tl.float32)
-                adam_tile(tl.load(row + 6).to(tl.pointer_type(tl.float32)),
-                          tl.load(row + 7).to(tl.pointer_type(tl.float32)),
-                          tl.load(row + 8).to(tl.pointer_type(tl.float32)), param_ptr,
-                          rows[:, None] * K + c_slot[None, :], c_offs, c_m2, gc, c_size, c_bc2, decay, weight_decay,
-                          lerp_small, lerp_w, lerp_w_rest, beta2, beta2_rest, eps, DECOUPLED, PARAM_KIND == 1)
+                packed_adam(grad_ptr, tl.load(row + 6).to(tl.pointer_type(tl.float32)),
+                            tl.load(row + 7).to(tl.pointer_type(tl.float32)),
+                            tl.load(row + 8).to(tl.pointer_type(tl.float32)), param_ptr, rows, row_mask, C, K, c_mask,
+                            c_col, c_slot, c_size, c_bc2, decay, weight_decay, lerp_small, lerp_w, lerp_w_rest, beta2,
+                            beta2_rest, eps, DECOUPLED, PARAM_KIND == 1)
         elif any_sel:
             step_size, bc2_sqrt = bias_corrections(steps, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo,
                                                     BLOCK_C)
