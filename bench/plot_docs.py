@@ -171,10 +171,15 @@ def plot_quality(doc: dict, png: Path) -> None:
     task_steps = {t["name"]: t["steps"] for t in doc["tasks"]}
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), dpi=90)
     for ax, task in zip(axes, TASK_TITLES):
+        curves = []
         for config, label in CURVES.items():
             lr, curve = best_curve(doc, task, config)
             xs = [(i + 0.5) * task_steps[task] / len(curve) for i in range(len(curve))]
             ax.plot(xs, curve, label=f"{label} (lr {float(lr):g})", linewidth=1.2)
+            curves.append(curve)
+        # Zoom past the first tenth of the run, where every optimizer drops fast: the gaps are in the tail.
+        tenth = len(curves[0]) // 10
+        ax.set_ylim(0.98 * min(min(c) for c in curves), max(c[tenth] for c in curves))
         ax.set_title(TASK_TITLES[task], fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
