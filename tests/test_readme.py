@@ -178,3 +178,42 @@ def test_readme_is_a_front_page() -> None:
     assert "(#on-a-gpu)" in first_screen, "the GPU recipe must be reachable from the README's first screen"
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+# ------------------------------------------------------------------------------------------------- the figures' script
+
+
+def _plot_docs():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))  # plot_docs imports report_memory by its bare name, as bench scripts do
+    try:
+        spec = importlib.util.spec_from_file_location("plot_docs", ROOT / "bench" / "plot_docs.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def test_quality_figure_regenerates(tmp_path) -> None:
+    """docs/quality.png's command, run on the record it cites, draws a figure of the committed kind."""
+    plot_docs = _plot_docs()
+    out = tmp_path / "quality.png"
+    plot_docs.main(["quality", "--json", str(ROOT / "bench/results/quality-fair-2026-12-02.json"), "--png", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < out.stat().st_size < 150_000
+
+
+def test_largest_model_is_the_tighter_memory() -> None:
+    """The largest-model table: billions of parameters = min(80% of the GPU / device B, 90% of the host / host B)."""
+    plot_docs = _plot_docs()
+    rows = [{"optimizer": "x", "model": "bfloat16", "device_held": 8.0, "device_peak": 9.0, "host": 16.0},
+            {"optimizer": "fp32: left out", "model": "float32", "device_held": 1.0, "device_peak": 1.0, "host": 1.0}]
+    table = plot_docs.largest_models(rows)
+    ours = table[0]
+    assert ours["optimizer"] == "x" and len(table) == 1 + len(plot_docs.PEERS_HOST)
+    (gb24, bound24), (gb80, bound80), (h200, bound_h200) = ours["fits"]
+    assert (gb24, bound24) == (pytest.approx(0.8 * 24 / 8), "GPU")      # 2.4 B by the GPU, 3.6 B by the host
+    assert (gb80, bound80) == (pytest.approx(0.8 * 80 / 8), "GPU")      # 8.0 by the GPU, 14.4 by the host
+    assert (h200, bound_h200) == (pytest.approx(0.9 * 128 * 2**30 / 16 / 1e9), "host")  # 7.7 by the host, 14.1 GPU
