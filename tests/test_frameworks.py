@@ -32,10 +32,10 @@ HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
 OPT_KW = dict(lr=2e-2, topk_ratio=0.25, update_interval=4, select_interval=8, min_offload_numel=128)
 
 needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                                     reason='needs Lightning: pip install "zenflow_triton[frameworks]"')
+                                     reason='needs Lightning: pip install -e ".[frameworks]" from the checkout')
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
-    reason='needs transformers and accelerate: pip install "zenflow_triton[frameworks]"')
+    reason='needs transformers and accelerate: pip install -e ".[frameworks]" from the checkout')
 
 
 class TinyNet(nn.Module):
