@@ -7,8 +7,9 @@
 peak (``report_memory.measure``: the same 4 x [1024, 1024] MLP, r = 0.1, U = 4) and its host bytes per parameter
 (``stats()["host_bytes_per_param"]`` after the same steps), writes OUT.json and OUT.md (the memory table and the
 largest model per machine, ours beside the peers' host bytes) and draws the bf16 rows beside the peers.
-``quality`` reads a ``bench/quality_fair.py`` JSON (every run keeps a 50-point training-loss curve) and draws, per
-task, AdamW, the defaults and the tuned settings, each at its own best lr, mean over seeds. Needs matplotlib (the
+``quality`` reads a ``bench/quality_fair.py`` JSON (every run keeps a 50-point training-loss curve), draws, per
+task, AdamW, the defaults and the tuned settings, each at its own best lr, mean over seeds, and prints the
+best-to-best table of docs/quality.md. Needs matplotlib (the
 ``plot`` extra).
 """
 
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # allocating code (issue 29): FSDP2 CPUOffloadPolicy 16 (fp32 param, grad, m, v), ZeRO-Offload stage 2 18 (fp32
 # master 4, bf16 copy-back 2, fp32 gradient 4, m + v 8), DeepSpeed's ZenFlow with overlap ~36 (two gradient buffers
 # and two full moment sets), torchao CPUOffloadOptimizer 8 (bf16 master and moments: no fp32 master for bf16).
-PEERS_HOST = {"ZeRO-Offload (stage 2)": 18.0, "FSDP2 CPUOffloadPolicy": 16.0, "DeepSpeed ZenFlow (overlap)": 36.0,
-              "torchao CPUOffloadOptimizer": 8.0}
+PEERS_HOST = {"ZeRO-Offload stage 2": 18.0, "FSDP2 `CPUOffloadPolicy`": 16.0, "DeepSpeed ZenFlow, overlap": 36.0,
+              "torchao `CPUOffloadOptimizer`, no fp32 master": 8.0}
 
 # Machines of the largest-model table: (name, GPU bytes, host bytes); 80% of the GPU and 90% of the host usable (the
 # rest: activations, CUDA context, the OS and the data pipeline).
@@ -43,6 +44,10 @@ GPU_USABLE, HOST_USABLE = 0.8, 0.9
 # AdamW": warmup_steps=100, overlap_steps=1), as quality_fair.py names them.
 CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1": "ZenFlowAdamW defaults",
           "ZenFlow overlap s=1 warm=100 K=1": "warmup_steps=100, overlap_steps=1"}
+# report_memory's optimizer names as the docs' tables show them, so a table pastes from the record unchanged.
+DISPLAY = {"torch AdamW": "`torch.optim.AdamW`", "ZenFlow device": 'ZenFlowAdamW `accumulate="device"`',
+           "ZenFlow host": 'ZenFlowAdamW `accumulate="host"`',
+           "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`'}
 TASK_TITLES = {"finetune": "fine-tune, 200 steps", "scratch": "from scratch, 200 steps",
                "long": "from scratch, 1000 steps"}
 
@@ -105,9 +110,9 @@ def largest_models(rows: list[dict]) -> list[dict]:
             by_gpu = GPU_USABLE * gpu / r["device_held"]
             by_host = HOST_USABLE * host / r["host"] if r["host"] else float("inf")
             fits.append((min(by_gpu, by_host) / 1e9, "host" if by_host < by_gpu else "GPU"))
-        out.append({"optimizer": r["optimizer"], "fits": fits})
+        out.append({"optimizer": DISPLAY.get(r["optimizer"], r["optimizer"]), "fits": fits})
     for name, host_b in PEERS_HOST.items():
-        out.append({"optimizer": name + f" ({host_b:g} host B/param)",
+        out.append({"optimizer": f"{name} ({host_b:g} host B/param)",
                     "fits": [(HOST_USABLE * host / host_b / 1e9, "host") for _, _, host in MACHINES]})
     return out
 
@@ -119,7 +124,8 @@ def render_memory(doc: dict) -> str:
              "host B/param |", "|---|---|---:|---:|---:|"]
     for r in doc["rows"]:
         host = f"{r['host']:.1f}" if r["host"] else "–"
-        lines.append(f"| {r['optimizer']} | {r['model']} | {r['device_held']:.2f} | {r['device_peak']:.2f} | {host} |")
+        name = DISPLAY.get(r["optimizer"], r["optimizer"])
+        lines.append(f"| {name} | {r['model']} | {r['device_held']:.2f} | {r['device_peak']:.2f} | {host} |")
     lines += ["", f"Largest bf16 model whose training state fits, billions of parameters ({GPU_USABLE:.0%} of the "
               f"GPU and {HOST_USABLE:.0%} of the host usable; ours from the held figures above, the peers from "
               "their host bytes only; the bound that binds in brackets):", "",
@@ -132,7 +138,8 @@ def render_memory(doc: dict) -> str:
 def plot_memory(rows: list[dict], png: Path) -> None:
     plt = _pyplot()
     bf16 = [r for r in rows if r["model"] == "bfloat16"]
-    names = [r["optimizer"] for r in bf16] + list(PEERS_HOST)
+    names = [DISPLAY.get(r["optimizer"], r["optimizer"]).replace("`", "") for r in bf16]
+    names += [name.replace("`", "") for name in PEERS_HOST]
     device = [r["device_held"] for r in bf16] + [0.0] * len(PEERS_HOST)
     host = [r["host"] for r in bf16] + list(PEERS_HOST.values())
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
@@ -191,6 +198,44 @@ def plot_quality(doc: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def _config_label(c: dict) -> str:
+    """A quality_fair.py configuration as the docs name it: the knobs that differ from the defaults."""
+    if c.get("late"):
+        return "AdamW one update late (`--late`: overlap's delay alone)"
+    if c.get("overlap") is None:
+        return "AdamW"
+    parts = [f"ZenFlow {'overlap' if c['overlap'] else 'sequential'}, s = {c['host_lr_scale']:g}"]
+    if c["overlap"] and c["host_lr_scale"] == 1.0 and not any(c.get(k) for k in ("warmup_steps", "select_interval",
+                                                                                  "overlap_steps")):
+        parts[0] += " (default)"
+    parts += [f"`{k}={c[k]}`" for k in ("warmup_steps", "select_interval", "overlap_steps") if c.get(k)]
+    return ", ".join(parts)
+
+
+def quality_table(doc: dict) -> str:
+    """The best-to-best table of docs/quality.md: per configuration and task, the best mean held-out loss over
+    AdamW's best, (min-max) over seeds, and the best lr (`*`: at an edge of the lrs it ran at)."""
+    from quality_fair import summarize
+
+    summary = summarize(doc)
+    tasks = [t for t in TASK_TITLES if t in summary]
+    lines = ["| optimizer | " + " | ".join(TASK_TITLES[t] for t in tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for c in doc["configs"]:
+        cells = []
+        for t in tasks:
+            row = summary[t]["configs"].get(c["name"])
+            if row is None:
+                cells.append("-")
+            elif c.get("overlap") is None and not c.get("late"):
+                cells.append(f"1.000, lr {row['best_lr']:.0e}".replace("e-0", "e-"))
+            else:
+                lo, hi = row["best_to_best_seeds"]
+                lr = f"{row['best_lr']:.0e}".replace("e-0", "e-") + ("*" if row["best_at_grid_edge"] else "")
+                cells.append(f"{row['best_to_best']:.3f} ({lo:.3f}-{hi:.3f}), {lr}")
+        lines.append(f"| {_config_label(c)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -205,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     command = "python bench/plot_docs.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.what == "quality":
-        plot_quality(json.loads(args.json.read_text(encoding="utf-8")), args.png)
+        doc = json.loads(args.json.read_text(encoding="utf-8"))
+        plot_quality(doc, args.png)
+        print(quality_table(doc))
         print(f"wrote {args.png}")
         return 0
     import torch

@@ -13,8 +13,12 @@ Fences say how a block is checked:
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,17 +187,21 @@ def test_readme_is_a_front_page() -> None:
 # ------------------------------------------------------------------------------------------------- the figures' script
 
 
-def _plot_docs():
-    import importlib.util
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))  # plot_docs imports report_memory by its bare name, as bench scripts do
+@contextlib.contextmanager
+def _bench_on_path():
+    """bench/ first on sys.path, as for a script run from it: plot_docs imports its siblings (report_memory,
+    quality_fair) by their bare names, and only while it runs."""
+    sys.path.insert(0, str(ROOT / "bench"))
     try:
-        spec = importlib.util.spec_from_file_location("plot_docs", ROOT / "bench" / "plot_docs.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        yield
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+def _plot_docs():
+    spec = importlib.util.spec_from_file_location("plot_docs", ROOT / "bench" / "plot_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
@@ -201,7 +209,9 @@ def test_quality_figure_regenerates(tmp_path) -> None:
     """docs/quality.png's command, run on the record it cites, draws a figure of the committed kind."""
     plot_docs = _plot_docs()
     out = tmp_path / "quality.png"
-    plot_docs.main(["quality", "--json", str(ROOT / "bench/results/quality-fair-2026-12-02.json"), "--png", str(out)])
+    with _bench_on_path():
+        plot_docs.main(["quality", "--json", str(ROOT / "bench/results/quality-fair-2026-12-02.json"), "--png",
+                        str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < out.stat().st_size < 150_000
 
 
@@ -217,3 +227,31 @@ def test_largest_model_is_the_tighter_memory() -> None:
     assert (gb24, bound24) == (pytest.approx(0.8 * 24 / 8), "GPU")      # 2.4 B by the GPU, 3.6 B by the host
     assert (gb80, bound80) == (pytest.approx(0.8 * 80 / 8), "GPU")      # 8.0 by the GPU, 14.4 by the host
     assert (h200, bound_h200) == (pytest.approx(0.9 * 128 * 2**30 / 16 / 1e9), "host")  # 7.7 by the host, 14.1 GPU
+
+
+def _generated(command: str) -> set[str]:
+    """The table lines a bench/plot_docs.py command produces: the record it wrote (memory) or the table it prints
+    from the record it reads (quality)."""
+    words = command.split()
+    if words[2] == "memory":
+        return set((ROOT / (words[words.index("--out") + 1] + ".md")).read_text(encoding="utf-8").splitlines())
+    doc = json.loads((ROOT / words[words.index("--json") + 1]).read_text(encoding="utf-8"))
+    with _bench_on_path():
+        return set(_plot_docs().quality_table(doc).splitlines())
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_generated_tables_are_pasted_unchanged(page: Path) -> None:
+    """A table under a `Source: python bench/plot_docs.py ...` line is rows of what that command writes, verbatim:
+    the pages are regenerated from the records, never edited by hand."""
+    source = None
+    for para in re.split(r"\n\s*\n", re.sub(r"^```.*?^```", "", TEXT[page], flags=re.S | re.M)):
+        if para.lstrip().startswith("#"):
+            source = None  # a new section: its tables cite their own source
+        elif "Source:" in para:
+            cited = re.findall(r"`([^`]+)`", " ".join(para.split("Source:", 1)[1].split()))
+            source = next((c for c in cited if c.startswith("python bench/plot_docs.py")), None)
+        elif para.lstrip().startswith("|") and source is not None:
+            rows = [line for line in para.strip().splitlines() if not re.fullmatch(r"\|[-:| ]+\|", line)]
+            missing = [row for row in rows if row not in _generated(source)]
+            assert not missing, f"{page.name}: rows not in the output of {source}: {missing}"
