@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,6 +49,7 @@ CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1": "ZenFlowAdamW defaults",
 DISPLAY = {"torch AdamW": "`torch.optim.AdamW`", "ZenFlow device": 'ZenFlowAdamW `accumulate="device"`',
            "ZenFlow host": 'ZenFlowAdamW `accumulate="host"`',
            "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`'}
+# Column and panel titles of the tasks (others: "NAME, STEPS steps").
 TASK_TITLES = {"finetune": "fine-tune, 200 steps", "scratch": "from scratch, 200 steps",
                "long": "from scratch, 1000 steps"}
 
@@ -173,26 +175,40 @@ def best_curve(doc: dict, task: str, config: str) -> tuple[str, list[float]]:
     return best, [statistics.fmean(points) for points in zip(*curves)]
 
 
+def _task_title(task: dict) -> str:
+    return TASK_TITLES.get(task["name"], f"{task['name']}, {task['steps']} steps")
+
+
 def plot_quality(doc: dict, png: Path) -> None:
+    """One panel per task of the JSON (three to a row); a curve whose configuration did not run on a task is left
+    out of that panel."""
     plt = _pyplot()
-    task_steps = {t["name"]: t["steps"] for t in doc["tasks"]}
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), dpi=90)
-    for ax, task in zip(axes, TASK_TITLES):
+    tasks = [t for t in doc["tasks"] if t["name"] in doc["runs"]]
+    cols = min(3, len(tasks))
+    rows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(10, 3.2 * rows), dpi=90, squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
         curves = []
         for config, label in CURVES.items():
-            lr, curve = best_curve(doc, task, config)
-            xs = [(i + 0.5) * task_steps[task] / len(curve) for i in range(len(curve))]
+            if not doc["runs"][task["name"]].get(config):
+                continue
+            lr, curve = best_curve(doc, task["name"], config)
+            xs = [(i + 0.5) * task["steps"] / len(curve) for i in range(len(curve))]
             ax.plot(xs, curve, label=f"{label} (lr {float(lr):g})", linewidth=1.2)
             curves.append(curve)
         # Zoom past the first tenth of the run, where every optimizer drops fast: the gaps are in the tail.
         tenth = len(curves[0]) // 10
         ax.set_ylim(0.98 * min(min(c) for c in curves), max(c[tenth] for c in curves))
-        ax.set_title(TASK_TITLES[task], fontsize=9)
+        ax.set_title(_task_title(task), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=6)
-    axes[0].set_ylabel("training loss (mean over seeds)", fontsize=8)
-    fig.suptitle("Training loss at each optimizer's best lr (0.14M-parameter CharLM, r = 0.1, U = 4)", fontsize=9)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("training loss (mean over seeds)", fontsize=8)
+    fig.suptitle(f"Training loss at each optimizer's best lr (r = {doc['topk_ratio']:g}, U = "
+                 f"{doc['update_interval']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
@@ -218,8 +234,9 @@ def quality_table(doc: dict) -> str:
     from quality_fair import summarize
 
     summary = summarize(doc)
-    tasks = [t for t in TASK_TITLES if t in summary]
-    lines = ["| optimizer | " + " | ".join(TASK_TITLES[t] for t in tasks) + " |", "|---|" + "---|" * len(tasks)]
+    titles = {t["name"]: _task_title(t) for t in doc["tasks"]}
+    tasks = [t for t in titles if t in summary]
+    lines = ["| optimizer | " + " | ".join(titles[t] for t in tasks) + " |", "|---|" + "---|" * len(tasks)]
     for c in doc["configs"]:
         cells = []
         for t in tasks:
