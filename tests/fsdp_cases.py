@@ -274,16 +274,17 @@ def ddp_run(rank: int, world: int, port: int, out: str) -> None:
 
 
 def readme_run(rank: int, world: int, port: int, out: str) -> None:
-    """The README's torchrun example, as torchrun would start it (its environment variables), checkpoint path moved."""
+    """docs/distributed.md's torchrun example, as torchrun would start it (its environment variables), checkpoint path
+    moved."""
     import re
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    (code,) = re.findall(r"```python torchrun\n(.*?)```", readme, flags=re.S)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"```python torchrun\n(.*?)```", page, flags=re.S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     code = code.replace("/tmp/zenflow_fsdp_ckpt", str(Path(out) / "readme_ckpt"))
-    exec(compile(code, "README.md torchrun example", "exec"), {"__name__": "__main__"})
+    exec(compile(code, "docs/distributed.md torchrun example", "exec"), {"__name__": "__main__"})
     os._exit(0)  # see finish(); the example destroyed its process group itself
 
 

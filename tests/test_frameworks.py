@@ -32,10 +32,10 @@ HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
 OPT_KW = dict(lr=2e-2, topk_ratio=0.25, update_interval=4, select_interval=8, min_offload_numel=128)
 
 needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                                     reason='needs Lightning: pip install "zenflow_triton[frameworks]"')
+                                     reason='needs Lightning: pip install -e ".[frameworks]" from the checkout')
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
-    reason='needs transformers and accelerate: pip install "zenflow_triton[frameworks]"')
+    reason='needs transformers and accelerate: pip install -e ".[frameworks]" from the checkout')
 
 
 class TinyNet(nn.Module):
@@ -686,16 +686,17 @@ def test_clipping_moved_in_survives_deepcopy() -> None:
         o.close()
 
 
-# ------------------------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------------------------------- docs examples
 
-# The README's framework examples are fenced "python frameworks": tests/test_readme.py, which runs every plain
+# docs/frameworks.md's examples are fenced "python frameworks": tests/test_readme.py, which runs every plain
 # "python" block, leaves them to this file, which runs them where the extra is installed.
-README = Path(__file__).resolve().parent.parent / "README.md"
-FRAMEWORK_BLOCKS = re.findall(r"```python frameworks\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+FRAMEWORKS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "frameworks.md"
+FRAMEWORK_BLOCKS = re.findall(r"```python frameworks\n(.*?)```", FRAMEWORKS_PAGE.read_text(encoding="utf-8"),
+                              flags=re.S)
 
 
 def test_readme_has_framework_examples() -> None:
-    assert len(FRAMEWORK_BLOCKS) == 2, "README.md should show a Lightning and an HF Trainer example"
+    assert len(FRAMEWORK_BLOCKS) == 3, "docs/frameworks.md should show Lightning, HF Trainer and Accelerate examples"
 
 
 @needs_lightning
@@ -703,5 +704,5 @@ def test_readme_has_framework_examples() -> None:
 @pytest.mark.parametrize("index", range(len(FRAMEWORK_BLOCKS)))
 def test_readme_framework_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code = compile(FRAMEWORK_BLOCKS[index], f"README.md framework example {index}", "exec")
+    code = compile(FRAMEWORK_BLOCKS[index], f"docs/frameworks.md example {index}", "exec")
     exec(code, {"__name__": "__readme__"})
