@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from test_grads_in_backward import KNOBS, STEPS, _assert_same, _bits_equal, _pair
+from test_grads_in_backward import DELAY_CYCLES, KNOBS, STEPS, _assert_same, _bits_equal, _pair
 from test_optimizer import Net, batch, loss_fn, offloaded
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -140,6 +140,27 @@ def test_meta_build_materialized_by_swapping_is_captured(swap_params, zero_grad_
         o.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tensors_swapped_mid_training_are_hooked_again(overlap: bool) -> None:
+    """``torch.utils.swap_tensors`` on every offloaded parameter after step 5 (what ``to()`` does with swapped module
+    params): still captured from the next backward, and the default mode's run (same swap) bit for bit."""
+    models, opts = _pair(overlap=overlap)
+    for i in range(12):
+        for m, o in zip(models, opts):
+            if i == 5:
+                for p in offloaded(m):
+                    torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+            o.zero_grad()
+            loss_fn(m, i).backward()
+            if o.config.grads_in_backward:
+                assert all(p.grad is None for p in offloaded(m)), f"step {i + 1}"
+            o.step()
+        _assert_same(*models, f"step {i + 1}")
+    assert opts[1].stats()["captured_last_step"] == 3
+    for o in opts:
+        o.close()
+
+
 def test_a_weight_unfrozen_after_construction_is_captured() -> None:
     """The embedding frozen when the optimizer is built, unfrozen at step 5: from its first gradient on it is
     captured (``.grad`` None after backward), its state made then, as in the default mode, bit for bit."""
@@ -261,5 +282,29 @@ def test_a_shared_layer_with_micro_batches_is_scored_on_the_step_gradient() -> N
         p0, p1 = models[0].shared.weight, models[1].shared.weight
         assert torch.equal(opts[0].state[p0]["score"], opts[1].state[p1]["score"]), f"step {i + 1}"
         assert opts[1].stats()["captured_last_step"] == 1 and p1.grad is None
+    for o in opts:
+        o.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_shared_layer_in_reentrant_checkpoints_bitwise(backend: str) -> None:
+    """On CUDA, with the copy streams delayed: the end of the outermost backward is seen from autograd's device
+    thread, the slot (first copy on the device-to-host stream, later calls added on the host) is copied back and
+    scored on the device as the default mode scores .grad: bit for bit, nested checkpoints included."""
+    models = [SharedNet(nested=True).cuda(), SharedNet(nested=True).cuda()]
+    opts = [ZenFlowAdamW(m.parameters(), **KNOBS, backend=backend, grads_in_backward=g, worker_timeout=120.0)
+            for m, g in zip(models, (False, True))]
+    for o in opts:
+        o._pipeline.test_delays = {"d2h": DELAY_CYCLES, "h2d": DELAY_CYCLES, "merge": DELAY_CYCLES}
+    for i in range(STEPS):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            x, y = batch(i)
+            (m(x.cuda()) - y.cuda()).pow(2).mean().backward()
+            o.step()
+        torch.cuda.synchronize()
+        _assert_same(*models, f"step {i + 1}")
+    assert all(p.grad is None for p in offloaded(models[1]))
     for o in opts:
         o.close()
