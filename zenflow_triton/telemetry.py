@@ -66,10 +66,10 @@ class Stats:
 
 
 def stats_of(opt: Any) -> dict[str, Any]:
-    """``ZenFlowAdamW.stats()`` (every key in README's table): the counters, where the offloaded state lives and how
-    big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether gradients
-    are captured in backward (and how many offloaded ones were, for the last step). Host bytes are this process's (a
-    sharded parameter's rows here); ``offloaded_params`` counts whole parameters."""
+    """``ZenFlowAdamW.stats()`` (every key in docs/telemetry.md's table): the counters, where the offloaded state
+    lives and how big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether
+    gradients are captured in backward (and how many offloaded ones were, for the last step). Host bytes are this
+    process's (a sharded parameter's rows here); ``offloaded_params`` counts whole parameters."""
     pipeline, s = opt._pipeline, opt._stats
     records, slabs = pipeline.records, pipeline.slabs
     total_cols = sum(rec.cols for rec in records.values())
