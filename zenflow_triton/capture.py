@@ -14,6 +14,11 @@ and a second ``backward()`` before ``step()`` adds into all three in the paramet
 ``.grad``'s accumulation does (on CUDA its host add waits for the copy in the training thread). Nothing captured
 enters the window sum before ``step()``: ``zero_grad()`` discards a capture as it would ``.grad``.
 
+A hook that fires twice in one backward (a layer shared by reentrant checkpoints: each recomputation runs a backward
+of its own) sums the same way, but the sum of the calls' column sums of squares is not the summed gradient's: such a
+parameter is scored on its whole gradient so far (the slot) when the outermost backward ends (autograd's final
+callback, followed out of each nested backward), so one backward per step scores as the default mode, bit for bit.
+
 At ``step()`` a captured parameter steps through :meth:`GradientCapture.step_args`: the backend's own fused step on
 the compact gradient (slot map the identity, scores added before), its result scattered into the parameter's
 selected columns, so the update is the default mode's bit for bit; the landed slot goes to the adder as it is. A
@@ -24,13 +29,21 @@ Every backward is captured, the first one included: its hook makes the offloaded
 would), so the model's full gradient never exists on the device, not even at the first step. A warm-up step's
 gradient then reaches the host through the window sum, and the first selection's compact gradient is gathered from
 the host slot after it (an empty selection migrating to the first one). The hook passes through (``.grad`` stays,
-the ordinary path) only once the optimizer is closed or failed; a parameter that did not require a gradient when
-its group was added has no hook, and keeps ``.grad``. One process only: in a job of several (DDP) the hook would
-consume the local gradient before its all-reduce, so that is refused, as are DTensor (FSDP2) parameters.
+the ordinary path) only once the optimizer is closed or failed. The hooks follow the model: a weight frozen when its
+group was added is hooked too (captured once unfrozen), and a parameter whose tensor was swapped in place
+(``to_empty``/``to()`` with ``torch.__future__.set_swap_module_params_on_conversion(True)``) is hooked again at the
+next ``zero_grad()`` or ``step()``; an offloaded gradient found in ``.grad`` all the same is named in one warning.
+One process only: in a job of several (DDP) the hook would consume the local gradient before its all-reduce, so that
+is refused, as are DTensor (FSDP2) parameters. AMP's GradScaler is refused at its first ``step()``: its scale update
+reads only the inf checks it made on ``.grad`` (``_step_supports_amp_scaling`` hands the optimizer the scale, never a
+way back), so an overflow in a captured gradient could skip the step but never lower the scale, and every later step
+would overflow and be skipped (bf16 autocast needs no scaler).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +56,8 @@ from .params import check_grad, describe, offloads
 from .sharding import is_sharded
 
 __all__ = ["Captured", "GradientCapture", "Selection"]
+
+logger = logging.getLogger("zenflow_triton")
 
 
 @dataclass(eq=False)
@@ -67,6 +82,9 @@ class Captured:
     selection: Selection
     count: int = 1
     ready: torch.cuda.Event | None = None  # CUDA: after the last copy into ``host``
+    # The hook fired twice in one backward (a layer shared by reentrant checkpoints): scored on the whole gradient
+    # (``host``) at the end of each backward (:meth:`GradientCapture._rescore`), not per call.
+    rescore: bool = False
 
 
 def check_capturable(p: torch.Tensor, where: str, *, grad_dtype: str, seen: set[int]) -> None:
@@ -104,8 +122,17 @@ class GradientCapture:
     def __init__(self, optimizer: Any) -> None:
         self._opt = weakref.ref(optimizer)
         self.enabled = bool(optimizer.config.grads_in_backward)
+        if self.enabled:
+            # GradScaler.step then hands the optimizer its scale and inf flag (``grad_scale``/``found_inf``) instead
+            # of stepping it behind our back: that is how step() sees a scaler and refuses it (:meth:`before_step`).
+            optimizer._step_supports_amp_scaling = True
         self.captured: dict[torch.Tensor, Captured] = {}
         self._hooks: dict[torch.Tensor, Any] = {}
+        self._impls: dict[torch.Tensor, int] = {}  # each hooked parameter's TensorImpl when its hook was set
+        self._fired: set[torch.Tensor] = set()  # captured in the backward running now (or the last one)
+        self._watched: set[int] = set()  # autograd graph tasks whose end is watched (:meth:`_watch_backward`)
+        self._warned_uncaptured = False
+        self.last_captured = 0  # stats(): offloaded gradients captured for the last step()
         self._selections: dict[torch.Tensor, Selection] = {}
         self._scores: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: torch.Tensor | None = None  # CUDA: pinned host buffer for a later micro-batch's copy
@@ -140,22 +167,86 @@ class GradientCapture:
                 capture.capture(p)
 
         for p in plain:
-            if offloads(p, config.min_offload_numel) and p.requires_grad:
+            if not offloads(p, config.min_offload_numel):
+                continue
+            # A frozen weight is hooked too (torch refuses a hook on a tensor that does not require grad, so its flag
+            # is raised for the registration only): unfrozen later, its gradient is captured from the first backward.
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            try:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
+            self._impls[p] = p._cdata
+
+    def follow(self) -> list[torch.Tensor]:
+        """At ``zero_grad()`` and ``step()``: hook again each parameter whose tensor was replaced in place since its
+        hook was set (``torch.utils.swap_tensors``: ``to_empty``/``to()`` with
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``), which leaves the hooks on the tensor that
+        was swapped out; returns those parameters. (``p.data = ...`` keeps the tensor, and its hooks.)"""
+        moved = [p for p, impl in self._impls.items() if p._cdata != impl]
+        for p in moved:
+            # The hook table stays with the parameter object but torch registers it with the tensor it held then:
+            # setting it again registers it with the tensor held now (and revives any hook of the user's in it, which
+            # the swap had silenced as well).
+            p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
+            self._impls[p] = p._cdata
+        return moved
+
+    def before_step(self, opt: Any) -> None:
+        """Start of ``step()`` (``opt``: the object it was called on), before anything changes: refuse AMP's
+        GradScaler; re-hook replaced tensors (:meth:`follow`); warn once naming offloaded parameters whose gradient
+        reached ``.grad`` though they are hooked."""
+        if not self.enabled:
+            return
+        if hasattr(opt, "found_inf"):
+            # Set by GradScaler.step for this call only; it deletes them after step() returns, not when it raises.
+            for name in ("found_inf", "grad_scale"):
+                if name in vars(opt):
+                    delattr(opt, name)
+            raise RuntimeError(
+                "grads_in_backward=True with AMP's GradScaler (scaler.step(optimizer)): the scaler unscales the "
+                "gradients in .grad and looks there for inf/NaN to skip a step and lower its scale, but the hooks have "
+                "already taken the offloaded gradients out of .grad, so they would step still scaled and an overflow "
+                "in them would go unseen. Use bf16 autocast without a GradScaler (torch.autocast(device_type, "
+                "dtype=torch.bfloat16); fp32 weights keep full precision and bf16 needs no loss scaling), or set "
+                "grads_in_backward=False to keep fp16 autocast with the scaler")
+        if self._fired:  # the end of the last backward went unseen (it raised?): its rescoring is done now
+            self._backward_ended()
+        moved = set(self.follow())
+        if moved:
+            logger.info("zenflow_triton: grads_in_backward: hooked again %d parameter(s) whose tensors were "
+                        "replaced in place (to_empty/to() with swapped module params)", len(moved))
+        missed = [p for p in self._hooks if p.grad is not None and p not in moved]
+        if missed and not self._warned_uncaptured:
+            self._warned_uncaptured = True
+            groups = opt.param_groups
+            names = ", ".join(describe(p, groups) for p in missed[:8]) + (", ..." if len(missed) > 8 else "")
+            logger.warning("zenflow_triton: grads_in_backward=True, but %d offloaded gradient(s) were left in .grad "
+                           "(their hooks did not capture them; the full gradient was held on the device): %s. "
+                           "stats()['captured_last_step'] counts the captured ones", len(missed), names)
 
     def close(self) -> None:
         """Remove every hook (``close()``): later backward() calls leave ``.grad`` as torch does."""
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        self._impls.clear()
+        self._fired.clear()
         self.captured.clear()
         self._selections.clear()
         self._scores.clear()
         self._scratch = None
 
     def discard(self) -> None:
-        """``zero_grad()``: forget what was captured since the last step (the buffers are overwritten next time)."""
+        """``zero_grad()``: forget what was captured since the last step (the buffers are overwritten next time), and
+        hook again what a tensor swap unhooked (:meth:`follow`), before the next backward."""
         self.captured.clear()
+        self._fired.clear()
+        if self.enabled:
+            self.follow()
 
     def has(self, p: torch.Tensor) -> bool:
         return p in self.captured
@@ -195,6 +286,12 @@ class GradientCapture:
         g2 = g.view(rows, cols)
         scores = knobs.resolved.topk_ratio != 0
         cap = self.captured.get(p)
+        self._watch_backward()
+        if cap is not None and p in self._fired:
+            # A second call in one backward (reentrant checkpoints sharing a layer: each recomputation runs a backward
+            # of its own): the scores are the summed gradient's, taken from the slot when this backward ends.
+            cap.rescore = True
+        self._fired.add(p)
         if cap is None:
             sel = self._selection(p, st, rec)
             host = rec.slots[pipeline.claim_slot()].view(rows, cols)
@@ -213,7 +310,7 @@ class GradientCapture:
         else:
             # Summed in the parameter's dtype, as autograd sums .grad over backward() calls.
             cap.compact.add_(g2.index_select(1, cap.selection.idx))
-            if scores:
+            if scores and not cap.rescore:
                 ops.column_sumsq_(cap.step_score, g2)
             if p.device.type == "cuda":
                 numel = g2.numel()
@@ -232,11 +329,52 @@ class GradientCapture:
 
     def _make_state(self, opt: Any, pipeline: Any) -> None:
         check_single_process()  # the process group may have been made after the optimizer
+        # Frozen ones get their state when they first have a gradient, as at step(); an optimizer built over meta
+        # parameters is on the device they were materialized on.
+        device = opt._device if opt._device is not None and opt._device.type != "meta" else None
         fresh = [q for q in self._hooks if q not in pipeline.records and not opt.state.get(q) and not q.is_meta
-                 and q.device == (opt._device or q.device)]
+                 and q.requires_grad]
+        fresh = [q for q in fresh if q.device == (device or fresh[0].device)]
         if fresh:
             opt._device = fresh[0].device
             pipeline.add(fresh, opt.state)
+
+    def _watch_backward(self) -> None:
+        """Have :meth:`_backward_ended` run when the backward running this hook is over (once per autograd graph
+        task). A reentrant checkpoint's recomputation runs a backward of its own inside a node of the outer one: its
+        end is followed to the end of the outer one (:func:`_task_ended`)."""
+        task = torch._C._current_graph_task_id()
+        if task < 0 or task in self._watched:  # < 0: not inside a backward (the hook's body called directly)
+            return
+        self._watched.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_task_ended, weakref.ref(self),
+                                                                                   task))
+
+    def _backward_ended(self) -> None:
+        """The outermost backward is over: score the gradients it captured more than once on their sums."""
+        for p in self._fired:
+            cap = self.captured.get(p)
+            if cap is not None and cap.rescore:
+                self._rescore(p, cap)
+        self._fired.clear()
+
+    def _rescore(self, p: torch.Tensor, cap: Captured) -> None:
+        """This step's scores of ``p`` from its whole gradient so far (the slot holds it, summed in the parameter's
+        dtype as .grad sums it), by the function and on the device the default mode scores ``.grad`` with: with one
+        backward per step bit for bit its scores. One parameter's gradient at a time on the device."""
+        opt = self._opt()
+        if opt is None or opt._knobs.resolved.topk_ratio == 0:
+            return
+        whole = cap.host
+        if p.device.type == "cuda":
+            if cap.ready is not None:
+                # The first call's copy into the slot (on the device-to-host stream) must have landed; the later
+                # calls' adds were made on the host after waiting for their copies.
+                cap.ready.synchronize()
+            # A blocking copy: step() may scale the slot in place (clipping) while a queued copy still reads it.
+            whole = cap.host.to(p.device)
+        cap.step_score.zero_()
+        opt._pipeline.device_ops(p.device).column_sumsq_(cap.step_score, whole)
 
     def _copy_out(self, pipeline: Any, g: torch.Tensor, dst: torch.Tensor, g2: torch.Tensor) -> torch.cuda.Event:
         """CUDA: ``dst`` (pinned host) = ``g2`` on the device-to-host stream after the compute stream's work so far;
@@ -300,7 +438,9 @@ class GradientCapture:
             w2.index_copy_(1, idx, out)
             col_step.index_copy_(0, idx, counted)
         self._scatters.clear()
+        self.last_captured = len(self.captured)
         self.captured.clear()
+        self._fired.clear()
 
     def _migrate(self, cap: Captured, sel: Selection, rec: Any) -> torch.Tensor:
         """The compact gradient for the new selection ``sel``: staying columns from the old compact buffer, joining
@@ -347,3 +487,26 @@ class GradientCapture:
             k = rec.cols - rec.masks.num_unselected
             total += rec.rows * k * p.element_size() + 4 * rec.cols + 16 * k
         return total
+
+
+def _task_ended(ref: weakref.ref, task: int) -> None:
+    """Autograd's callback at the end of graph task ``task`` (:meth:`GradientCapture._watch_backward`). Inside the
+    outermost backward no node is being evaluated; inside a reentrant recomputation the node of the outer backward
+    that runs it is: a hook on that node, run once it returns (in the outer task), watches the outer task."""
+    capture = ref()
+    if capture is None:
+        return
+    capture._watched.discard(task)
+    node = torch._C._current_autograd_node()
+    if node is None:
+        capture._backward_ended()
+        return
+    handle = None
+
+    def outer(grad_inputs: Any, grad_outputs: Any) -> None:
+        handle.remove()
+        capture = ref()
+        if capture is not None:
+            capture._watch_backward()
+
+    handle = node.register_hook(outer)

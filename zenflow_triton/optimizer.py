@@ -152,6 +152,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         it waits for the host is raised when the step is complete (see :meth:`.Pipeline.deferred_interrupts`)."""
         pipeline = self._pipeline
         pipeline.check_usable()
+        self._capture.before_step(self)  # grads_in_backward: GradScaler refused, hooks follow replaced tensors
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -66,10 +66,10 @@ class Stats:
 
 
 def stats_of(opt: Any) -> dict[str, Any]:
-    """``ZenFlowAdamW.stats()`` (every key in README's table): the counters, where the offloaded state lives and how
-    big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether gradients
-    are captured in backward. Host bytes are this process's (a sharded parameter's rows here);
-    ``offloaded_params`` counts whole parameters."""
+    """``ZenFlowAdamW.stats()`` (every key in docs/telemetry.md's table): the counters, where the offloaded state
+    lives and how big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether
+    gradients are captured in backward (and how many offloaded ones were, for the last step). Host bytes are this
+    process's (a sharded parameter's rows here); ``offloaded_params`` counts whole parameters."""
     pipeline, s = opt._pipeline, opt._stats
     records, slabs = pipeline.records, pipeline.slabs
     total_cols = sum(rec.cols for rec in records.values())
@@ -89,4 +89,5 @@ def stats_of(opt: Any) -> dict[str, Any]:
         "device_bytes_per_param": device_bytes / local_numel if local_numel else 0.0,
         **s.per_step(), **opt._knobs.state_dict(), **opt._knobs.report(s), **opt._gradients.report(),
         "grads_in_backward": opt.config.grads_in_backward,
+        "captured_last_step": opt._capture.last_captured,
     }
