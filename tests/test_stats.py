@@ -49,19 +49,14 @@ def _documented_keys() -> set[str]:
     return {key for cell in first_cells for key in re.findall(r"`([a-z_0-9]+)`", cell)}
 
 
-# Keys added by a change that could not edit the docs (issue 30, written beside the docs' rewrite): their row is
-# handed to the docs pass, and they count as documented until docs/telemetry.md's table has it; then drop them here.
-PENDING_DOC_ROWS = {"captured_last_step"}
-
 
 def test_every_stats_key_is_in_the_telemetry_table() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
     train_steps(model, opt, range(3))
     keys = set(opt.stats())
-    missing = keys - _documented_keys() - PENDING_DOC_ROWS
+    missing = keys - _documented_keys()
     opt.close()
-    assert PENDING_DOC_ROWS <= keys, f"pending rows for keys stats() lacks: {sorted(PENDING_DOC_ROWS - keys)}"
     assert not missing, f"stats() keys without a row in docs/telemetry.md's stats table: {sorted(missing)}"
 
 
