@@ -7,7 +7,7 @@ Progress goes to stderr; the table (or ``--json``) to stdout. Exit codes, for sc
 - 3: a measurement failed
 - 4: no usable profile (``--load`` found none or an invalid one; planning for a GPU the profile lacks)
 - 5: could not write the profile or the plot
-- 6: an optional dependency is missing (``--plot`` needs matplotlib: ``pip install 'zenflow_triton[plot]'``)
+- 6: an optional dependency is missing (``--plot`` needs matplotlib: ``pip install -e '.[plot]'`` from the checkout)
 - 7: the quality table (``--quality-table``) cannot be read or is malformed
 
 The choice weighs the predicted step time against the predicted loss ratio vs AdamW (``--max-loss-ratio``) from a
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            _err("--plot needs matplotlib: pip install 'zenflow_triton[plot]'")
+            _err("--plot needs matplotlib: pip install -e '.[plot]' from the checkout")
             return EXIT_MISSING_DEPENDENCY
 
     try:

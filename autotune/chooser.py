@@ -264,7 +264,7 @@ def plan(
     if k_line:
         lines.append(k_line)
     lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
-                 "not a guarantee (pass your own table; from scratch loses more: README, Training quality)")
+                 "not a guarantee (pass your own table; from scratch loses more: docs/quality.md)")
     if workload.device == "cpu":
         lines.append("CPU tensors: the training compute and the host worker share cores, which the model ignores")
     if profile.quick:
@@ -300,7 +300,7 @@ def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, ac
                    select_windows: int, tolerance: float) -> tuple[int, Prediction, str]:
     """``overlap_steps="auto"`` at the chosen ``(r, U)`` with overlap and host work: the fewest steps K after a
     window end whose merge keeps the predicted step within ``tolerance`` of merging at the next window end (``base``,
-    K = U), its prediction and the plan's line. Fewer steps leave fewer stale gradients (README, Training quality)."""
+    K = U), its prediction and the plan's line. Fewer steps leave fewer stale gradients (docs/quality.md)."""
     u = base.update_interval
     for k in range(1, u + 1):
         pk = predict(profile, workload, topk_ratio=base.topk_ratio, update_interval=u, cpu_threads=base.cpu_threads,
@@ -312,7 +312,7 @@ def _overlap_steps(profile: Profile, workload: Workload, base: Prediction, *, ac
         line = f"overlap_steps={u}: the host job needs the whole window to hide (merged earlier, it would stall)"
     else:
         line = (f"overlap_steps={k}: each result merged {k} step{'s' if k > 1 else ''} after its window end, not "
-                f"{u}, within {tolerance:.0%} of the step time (fewer stale gradients: README, Training quality)")
+                f"{u}, within {tolerance:.0%} of the step time (fewer stale gradients: docs/quality.md)")
     return k, pk, line
 
 

@@ -11,7 +11,7 @@ fp32 -> bf16 copy of the weights, DeepSpeed's ``DeepSpeedCPUAdam`` (skipped when
 ``vs_ceiling`` and ``vs_torch`` (seconds per step of the reference provider / this one, so > 1 is faster; torch
 is ``torch fused`` for fp32 and ``torch fused + bf16 copy`` for bf16), from medians of this run: the references
 run first. Rounds here are per provider, back to back; bench/report_host.py interleaves them, which is more robust
-on a shared machine, and prints the table the README quotes.
+on a shared machine, and prints the table docs/performance.md quotes.
 """
 
 from __future__ import annotations

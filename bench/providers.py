@@ -135,7 +135,7 @@ def host_adamw_providers(
     numel: int | None = None, *, threads: int | None = None, selected: tuple[float, ...] = (0.0, 0.1, 0.5),
     patterns: tuple[str, ...] = ("random",), names: tuple[str, ...] | None = None,
 ) -> dict[str, HostAdamWProvider]:
-    """Every provider the README table compares, each on its own buffers (a provider never sees another's data).
+    """Each provider docs/performance.md's table compares, on its own buffers (never another's data).
 
     Providers: ``ceiling``; ``host_adamw fp32 <sel>``; ``torch fused``; ``host_adamw bf16 <sel>`` (bf16 grad in,
     bf16 snapshot out); ``torch fused + bf16 copy`` (fp32 grad, then ``snapshot.copy_(param)``); ``deepspeed``

@@ -30,7 +30,7 @@ name. ``--late`` adds a reference: torch AdamW with the offloadable matrices one
 writes its JSON after every task and seed, so a run cut short keeps what it measured; ``--report JSON`` rebuilds the
 Markdown from it. ``--add-to JSON`` runs only what JSON lacks: new configurations, or known ones at lrs added with
 ``--add-lrs`` (``--at-lrs``: only there; ``--tasks``: only those tasks); each configuration is then judged at the
-lrs it was run at (README, Training quality, has the commands)::
+lrs it was run at (docs/quality.md has the commands)::
 
     nice -n 10 python bench/quality_fair.py --out bench/results/quality-fair-2026-12-01
     nice -n 10 python bench/quality_fair.py --out OUT --add-to bench/results/quality-fair-2026-12-01.json \

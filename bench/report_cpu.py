@@ -58,7 +58,7 @@ from zenflow_triton.kernels import load_device_ops
 
 __all__ = ["main"]
 
-DEFAULT_PARAMS = 33_554_432  # 8 x [2048, 2048]: the size of the README's table
+DEFAULT_PARAMS = 33_554_432  # 8 x [2048, 2048]: the size of docs/performance.md's table
 
 
 # ----------------------------------------------------------------------------------------------------- timing

@@ -1,4 +1,4 @@
-"""Time every host AdamW provider in one process and print the markdown table the README quotes.
+"""Time every host AdamW provider in one process and print the markdown table docs/performance.md quotes.
 
     python bench/report_host.py [--rounds 15] [--numel 67108864] [--threads 2] [--names "ceiling,torch fused"]
     python bench/report_host.py --tune   # the sweeps behind the tuning constants of kernels/cpu_adamw.py

@@ -26,7 +26,7 @@ __all__ = ["host_accumulate_"]
 
 # Elements per work item. A memory-bound loop with no per-item set-up: the size only has to be large enough that
 # scheduling is negligible and small enough that 2 threads balance on small matrices (measured with
-# bench/report_host.py --accumulate: see the README's host table; 16K-256K elements within noise).
+# bench/report_host.py --accumulate: see docs/performance.md's host table; 16K-256K elements within noise).
 _CHUNK = 1 << 16
 # Below this many elements a call runs on one thread (waking numba's pool costs more than the add: 64K fp32
 # elements take ~20 us on one core).

@@ -169,7 +169,7 @@ def test_malformed_host_lr_scale_entries_are_rejected(entry, message):
 
 def test_the_shipped_host_lr_scale_entries_are_bench_quality_fairs_and_none_helps():
     """What bench/results/quality-fair-2026-12-02.md measured at 0.1 / 4: no scale is better on every task at its best
-    lr and nowhere worse at equal lr, so "auto" keeps Adam's step there (README, Training quality)."""
+    lr and nowhere worse at equal lr, so "auto" keeps Adam's step there (docs/quality.md)."""
     table = default_quality_table()
     found = {(e.overlap, e.host_lr_scale) for e in table.host_scales}
     assert found == {(True, 0.5), (False, 0.5), (True, 2.0), (False, 2.0)}

@@ -297,8 +297,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """Telemetry since construction (DESIGN §7; every key in README's table); time in seconds (ms where named),
-        sizes in bytes."""
+        """Telemetry since construction (every key in docs/telemetry.md's table); time in seconds (ms where
+        named), sizes in bytes."""
         return stats_of(self)
 
     # ------------------------------------------------------------------ the step

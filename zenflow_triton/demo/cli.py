@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help=f"write the training-loss curves as a PNG to PATH ({DEFAULT_PLOT} if --plot is given without PATH); "
-        "needs matplotlib: pip install 'zenflow_triton[plot]' (default: no plot)",
+        "needs matplotlib: pip install -e '.[plot]' from the checkout (default: no plot)",
     )
     return parser
 
@@ -182,7 +182,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib (pip install 'zenflow_triton[plot]')")
+            parser.error("--plot needs matplotlib (pip install -e '.[plot]' from the checkout)")
     return args
 
 

@@ -34,7 +34,7 @@ try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as exc:  # the frameworks are an optional extra
     raise ImportError(
-        'zenflow_triton.integrations.hf needs transformers: pip install "zenflow_triton[frameworks]"'
+        'zenflow_triton.integrations.hf needs transformers: pip install -e ".[frameworks]" from the checkout'
     ) from exc
 
 from .common import close_all, flush_all, take_over_clipping

@@ -27,7 +27,7 @@ try:
     import lightning.pytorch as pl
 except ImportError as exc:  # the frameworks are an optional extra
     raise ImportError(
-        'zenflow_triton.integrations.lightning needs Lightning: pip install "zenflow_triton[frameworks]"'
+        'zenflow_triton.integrations.lightning needs Lightning: pip install -e ".[frameworks]" from the checkout'
     ) from exc
 
 from .common import close_all, flush_all, take_over_clipping, zenflow_optimizers
