@@ -104,6 +104,7 @@ def copying_mover(opt: torch.optim.Optimizer) -> None:
 # ------------------------------------------------------------------------------------------------- packaging
 
 
+@pytest.mark.slow
 def test_optional_imports() -> None:
     """``import zenflow_triton`` and ``zenflow_triton.integrations`` import neither framework."""
     code = ("import sys, zenflow_triton, zenflow_triton.integrations; "
