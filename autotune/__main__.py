@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PNG of the predicted step time over (update_interval, topk_ratio), with the region "
                              "within the loss budget and the choice marked (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON (profile and plans) instead of the table")
+    parser.add_argument("--show-profile", action="store_true",
+                        help="with --load, print the profile's measured figures too (a measuring run always does)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     adv = parser.add_argument_group("advanced (smaller measurements)")
     adv.add_argument("--adamw-numel", type=_count, metavar="N", help="elements per timed host AdamW call")
@@ -369,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         print(json.dumps(doc, indent=2))
     else:
-        print(render(profile, plans, saved, single, quality, where))
+        shown = args.load is None or args.show_profile  # measured now: the figures; loaded: once asked
+        print(render(profile, plans, saved, single, quality, where, show_profile=shown))
     return EXIT_OK
 
 

@@ -52,7 +52,7 @@ def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
     parameters': a rank whose GPU is not the current device must not measure, or make a context on, GPU 0). A saved
     profile that cannot serve this plan (invalid, no GPU figures for CUDA tensors, no CPU-tensor device step for CPU
     tensors, no rate for the config's gradient dtype) is treated as no profile: the same quick probe, announced in
-    one warning that says why the file was refused."""
+    one warning that says why the file was refused, and each later refusal of a file warns again."""
     device_type = device.type
     key = current_machine_key()
     path = default_profile_path(key)
@@ -79,7 +79,12 @@ def _profile_for(device: torch.device, grad_dtype: str) -> tuple[Profile, str]:
     with _probe_lock:
         cuda = device_type == "cuda"
         profile = _probed.get((key, "cuda" if cuda else "cpu"))
-        if profile is None or (cuda and profile.gpu is None):
+        reuse = profile is not None and not (cuda and profile.gpu is None)
+        if reuse and why.startswith("ignoring"):
+            # A file refused again (the one named by $ZENFLOW_TRITON_PROFILE, perhaps set after the first probe):
+            # said each time, not only with a new probe, or the user's profile would be ignored silently.
+            logger.warning("zenflow_triton autotune: %s; using this process's quick probe instead", why)
+        if not reuse:
             from .probes import ProbeSettings, probe_machine
 
             logger.warning(

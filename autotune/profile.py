@@ -28,6 +28,16 @@ __all__ = ["NOISY_SPREAD", "BandwidthCurve", "CpuAdamwRates", "DeviceOpRates", "
 # and 99% (single figures up to 990%), while an undisturbed figure's repeats agreed within 1% (memcpy 1-64 MiB in
 # the same runs); 10% sits well above calm and below every busy run.
 NOISY_SPREAD = 0.10
+# A median hides one figure measured while something else ran: on that VM at load ~7 a run with a 10% median had the
+# host add at 2 threads at 0.6-1.1 GB/s against 57-64 at one thread, and a 256 KiB memcpy at 0.06 GB/s. So the
+# widest figure counts too: repeats whose slowest took more than twice the fastest (a spread over 100%) were not
+# measured alone. Latency-bound small copies spread more than large ones when calm, hence a bound ten times the
+# median's.
+NOISY_WIDEST_SPREAD = 1.0
+# A figure a quarter or less of its neighbours' (the next smaller and larger copy, the next fewer threads) is not
+# the machine's curve: more bytes or more threads never cost 4x less throughput on an idle machine; the busy run
+# above had both at 1/50 to 1/100.
+OUTLIER_FACTOR = 4.0
 
 
 class ProfileError(ValueError):
@@ -371,14 +381,57 @@ class Profile:
 
     def busy(self) -> str | None:
         """Why this profile looks measured on a busy machine (None: it does not): a load average above the cores,
-        or a median spread (:attr:`noise`) above :data:`NOISY_SPREAD`."""
+        a median spread (:attr:`noise`) above :data:`NOISY_SPREAD`, a widest spread above
+        :data:`NOISY_WIDEST_SPREAD`, or figures out of line with their neighbours (:meth:`outliers`)."""
         reasons = []
         if self.load_average is not None and self.load_average > self.cpu_cores:
             reasons.append(f"load average {self.load_average:.1f} on {self.cpu_cores} cores")
         noise = self.noise
         if noise is not None and noise > NOISY_SPREAD:
             reasons.append(f"the repeats of a typical figure disagree by {noise:.0%} (calm: under {NOISY_SPREAD:.0%})")
+        if self.spread:
+            worst = max(self.spread, key=lambda k: self.spread[k])
+            if self.spread[worst] > NOISY_WIDEST_SPREAD:
+                reasons.append(f"the repeats of {worst} disagree by {self.spread[worst]:.0%} "
+                               f"(calm: under {NOISY_WIDEST_SPREAD:.0%})")
+        out = self.outliers()
+        if out:
+            reasons.append(f"figures out of line with their neighbours: {'; '.join(out)}")
         return "; ".join(reasons) or None
+
+    def outliers(self) -> list[str]:
+        """Figures at most 1/:data:`OUTLIER_FACTOR` of both neighbouring copy sizes on their curve, or of the next
+        fewer threads' at the same dtype (and size, for the host add), each as ``"name: value against value"``."""
+        out: list[str] = []
+
+        def dips(name: str, curve: BandwidthCurve) -> None:
+            pts = sorted(curve.points)
+            for (_, lo), (n, bw), (_, hi) in zip(pts, pts[1:], pts[2:]):
+                if bw * OUTLIER_FACTOR <= min(lo, hi):
+                    out.append(f"{name} {n} B at {bw / 1e9:.2g} GB/s against {lo / 1e9:.2g} and {hi / 1e9:.2g}")
+
+        dips("memcpy", self.memcpy)
+        if self.gpu is not None:
+            dips("H2D", self.gpu.h2d)
+            dips("D2H", self.gpu.d2h)
+        for dt, tab in self.cpu_adamw.rates.items():
+            ts = sorted(tab)
+            for fewer, t in zip(ts, ts[1:]):
+                if tab[t] * OUTLIER_FACTOR <= tab[fewer]:
+                    out.append(f"host AdamW {dt} at {t} threads {tab[t] / 1e6:.3g} M/s against "
+                               f"{tab[fewer] / 1e6:.3g} at {fewer}")
+        if self.host_add is not None:
+            for dt, curves in self.host_add.curves.items():
+                ts = sorted(curves)
+                for t in ts:
+                    dips(f"host add {dt} {t} threads", curves[t])
+                for fewer, t in zip(ts, ts[1:]):
+                    base = dict(curves[fewer].points)
+                    for n, bw in curves[t].points:
+                        if n in base and bw * OUTLIER_FACTOR <= base[n]:
+                            out.append(f"host add {dt} {n} B at {t} threads {bw / 1e9:.2g} GB/s against "
+                                       f"{base[n] / 1e9:.2g} at {fewer}")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -143,16 +143,19 @@ def _spread_line(profile: Profile) -> str:
 
 
 def constructor(plan: Plan, grad_dtype: str) -> str:
-    """The call that builds the optimizer with this plan's knobs, ready to paste."""
+    """The call that builds the optimizer with this plan's knobs, ready to paste: ``lr=lr`` takes the user's own
+    learning rate (a NameError until one is set, never a value the tuner made up)."""
     extra = "" if grad_dtype == "float32" else f', grad_dtype="{grad_dtype}"'
     if plan.accumulate == "host":
         extra += ', accumulate="host"'
-    return (f"optimizer = ZenFlowAdamW(model.parameters(), lr=1e-4, topk_ratio={plan.topk_ratio:g}, "
+    return (f"optimizer = ZenFlowAdamW(model.parameters(), lr=lr, topk_ratio={plan.topk_ratio:g}, "
             f"update_interval={plan.update_interval}, cpu_threads={plan.cpu_threads}{extra})")
 
 
 def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | None, single: bool,
-            quality: QualityTable, where: Sequence[str] = ()) -> str:
+            quality: QualityTable, where: Sequence[str] = (), show_profile: bool = True) -> str:
+    """The CLI's table. ``show_profile=False`` (``--load`` without ``--show-profile``) prints the profile's figures
+    as one line, not the tables it printed when it was measured."""
     lines: list[str] = []
     add = lines.append
     add(f"zenflow_triton machine profile ({_measured(profile)})")
@@ -161,6 +164,12 @@ def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | N
         add(f"  WARNING: the machine was busy while measuring ({busy}): figures and the choice below may swing "
             "between runs; measure again when it is idle (a saved profile is replaced only by a calmer one)")
     add(_spread_line(profile))
+    if not show_profile:
+        add(f"  machine       {profile.machine_key} (--show-profile prints the measured figures)")
+        add("")
+        lines.extend("  " + line for line in where)
+        add("")
+        return "\n".join(lines) + "\n" + _choice(plans, single, quality)
     add(f"  machine       {profile.machine_key}")
     add(f"  CPU           {profile.cpu_model}: {profile.cpu_cores} cores, last-level cache {_size(profile.llc_bytes)}")
     if profile.gpu is None:
@@ -207,6 +216,13 @@ def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | N
     elif saved is not None:
         add(f"  profile written to {saved}")
         add("")
+    return "\n".join(lines) + "\n" + _choice(plans, single, quality)
+
+
+def _choice(plans: list[tuple[Workload, Plan]], single: bool, quality: QualityTable) -> str:
+    """The quality table, the plan table and the calls to paste."""
+    lines: list[str] = []
+    add = lines.append
     add(quality.render())
     add("")
     kind = plans[0][0].device
@@ -238,12 +254,12 @@ def render(profile: Profile, plans: list[tuple[Workload, Plan]], saved: Path | N
         add("  why:")
         lines.extend("    " + line for line in plans[0][1].reason.splitlines())
         add("")
-        add("  to train with this choice (lr: yours):")
+        add("  to train with this choice (lr: your learning rate, which the tuner does not choose):")
         add("    from zenflow_triton import ZenFlowAdamW")
         add("    " + constructor(plans[0][1], plans[0][0].grad_dtype))
     add("")
     add('  or let "auto" choose at the first steps from the saved profile and your measured step time:')
-    add('    optimizer = ZenFlowAdamW(model.parameters(), lr=1e-4, topk_ratio="auto", update_interval="auto")')
+    add('    optimizer = ZenFlowAdamW(model.parameters(), lr=lr, topk_ratio="auto", update_interval="auto")')
     return "\n".join(lines)
 
 

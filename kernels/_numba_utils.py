@@ -30,6 +30,20 @@ from .hyperparams import AdamHyperparams
 if numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "threadsafe"
 
+# Start numba's thread pool now, on import, and give torch back its thread count. Started lazily by the first
+# parallel launch (in a capture hook during some backward, or a window), the omp layer's launch sets the calling
+# thread's OpenMP thread count, which torch reads as its own: torch.set_num_threads(1) became numba's pool size
+# mid-run, at a step that depends on where the process started, so a run resumed in a new process summed its
+# reductions in another order than the uninterrupted one (issue 30, item 4). Started here, the process state is the
+# same whether or not a checkpoint was loaded.
+_torch_threads = torch.get_num_threads()
+try:
+    numba.np.ufunc.parallel._launch_threads()
+except ValueError:  # no safe layer loads: the first parallel launch raises numba's error naming them
+    pass
+if torch.get_num_threads() != _torch_threads:
+    torch.set_num_threads(_torch_threads)
+
 __all__ = [
     "U1",
     "U13",

@@ -226,6 +226,7 @@ def test_deepcopy_and_pickle_keep_the_mode_mid_window() -> None:
     opt.close()
 
 
+@pytest.mark.slow
 def test_a_slow_adder_is_waited_for_as_stall_and_changes_nothing(monkeypatch) -> None:
     """step() waits only for a landing slot whose add (two steps ago) still reads it, and counts the wait as stall;
     the results stay bit for bit those of accumulate="device"."""

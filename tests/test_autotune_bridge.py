@@ -226,3 +226,25 @@ def test_the_optimizer_path_hints_at_what_an_optimizer_user_can_change(monkeypat
     monkeypatch.setattr(bridge, "plan", spy)
     _plan(profile=synthetic_profile())
     assert seen["relax_hint"].startswith("fix topk_ratio and update_interval yourself")
+
+
+def test_a_profile_refused_after_the_process_probed_is_warned_about_each_time(tmp_path, monkeypatch, caplog):
+    """Issue 30 item 7: once the process has probed, an unusable $ZENFLOW_TRITON_PROFILE used to be ignored
+    silently (the warning came only with a new probe)."""
+    probes = []
+    monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine",
+                        lambda *a, **k: probes.append(1) or synthetic_profile())
+    _plan()  # no profile anywhere: this process probes
+    data = profile_to_json(synthetic_profile())
+    del data["cpu_adamw"]["rates"]["float32"]
+    path = tmp_path / "unusable.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
+            plan = _plan()
+        (message,) = _warnings(caplog)
+        assert "ignoring unusable profile" in message and str(path) in message and "quick probe" in message
+        assert plan.profile_source == "quick probe (this process)"
+    assert len(probes) == 1  # the probe is not repeated, only the warning

@@ -24,6 +24,7 @@ from zenflow_triton.autotune.cache import (
     save_profile,
 )
 from zenflow_triton.autotune.model import format_count, format_seconds
+from zenflow_triton.autotune.profile import BandwidthCurve, HostAddRates
 from zenflow_triton.autotune.quality import default_quality_table
 from zenflow_triton.config import ZenFlowConfig
 
@@ -150,7 +151,8 @@ def test_a_profile_measured_for_cuda_only_plans_cuda_and_refuses_cpu(tmp_path, c
     """A profile without the CPU-tensor device step (the optimizer's quick probe for CUDA parameters skips it):
     the CLI renders and plans it for CUDA, and refuses a plan for CPU tensors with exit status 4, saying why."""
     path = save_profile(dataclasses.replace(synthetic_profile(gpu=True), cpu_device=None), tmp_path / "p.json")
-    code, out, err = run(["--load", str(path), "--device", "cuda", "--params", "1e8", "--step-time", "1"], capsys)
+    code, out, err = run(["--load", str(path), "--device", "cuda", "--params", "1e8", "--step-time", "1",
+                          "--show-profile"], capsys)
     assert code == cli.EXIT_OK, err
     assert "device step on CPU tensors: not measured" in out and "would choose" in out
     code, _, err = run(["--load", str(path), "--device", "cpu", "--params", "1e8", "--step-time", "1"], capsys)
@@ -379,8 +381,11 @@ def test_the_printed_constructor_builds_the_chosen_optimizer(tmp_path, capsys):
                and '"auto"' not in line]
     assert f"topk_ratio={plan['topk_ratio']:g}" in call and f"update_interval={plan['update_interval']}" in call
     model = torch.nn.Linear(64, 32)
+    assert "lr=lr," in call and "1e-4" not in out  # the user's learning rate, never one the tuner made up
     namespace = {"model": model, "ZenFlowAdamW": __import__("zenflow_triton").ZenFlowAdamW}
-    exec(call, namespace)  # pasted as printed
+    with pytest.raises(NameError, match="'lr'"):
+        exec(call, dict(namespace))  # pasted without a learning rate: refused, not a silent default
+    exec(call, dict(namespace, lr=3e-4), namespace)  # pasted as printed, beside the user's lr
     opt = namespace["optimizer"]
     try:
         st = opt.stats()
@@ -452,7 +457,7 @@ def test_a_calmer_saved_profile_without_the_cpu_tensor_device_step_is_replaced(t
 
 def test_a_busy_machine_is_warned_about_and_each_figure_shows_its_spread(tmp_path, capsys):
     busy = save_profile(noisy(0.4, load_average=5.0), tmp_path / "busy.json")
-    code, out, _ = run(["--load", str(busy)], capsys)
+    code, out, _ = run(["--load", str(busy), "--show-profile"], capsys)
     assert "WARNING: the machine was busy while measuring (load average 5.0 on 2 cores; the repeats of a typical " \
            "figure disagree by 40%" in out
     assert "5.00 (40%)" in out  # memcpy 1 MiB, 5 GB/s
@@ -511,11 +516,53 @@ def test_the_host_add_probe_shows_in_the_table_the_json_and_a_host_plan(tmp_path
     w = Workload(shapes=((4096, 4096),), step_time_s=0.2, device="cpu")
     reason = make_plan(load_profile(path), w, accumulate="host", topk_ratio=0.1).reason
     assert "host adds at the measured" in reason and "ASSUMED" not in reason
-    code, out, err = run(["--load", str(path), "--params", "50M", "--step-time", "0.2"], capsys)
+    code, out, err = run(["--load", str(path), "--params", "50M", "--step-time", "0.2", "--show-profile"], capsys)
     assert code == cli.EXIT_OK, err
     assert 'host add of accumulate="host"' in out and "GB/s streamed" in out and "without acc" in out
     old = save_profile(synthetic_profile(), tmp_path / "old.json")
-    code, out, err = run(["--load", str(old), "--params", "50M", "--step-time", "0.2", "--accumulate", "host"],
-                         capsys)
+    code, out, err = run(["--load", str(old), "--params", "50M", "--step-time", "0.2", "--accumulate", "host",
+                          "--show-profile"], capsys)
     assert code == cli.EXIT_OK, err
     assert 'host add (accumulate="host"): not measured' in out and "host adds ASSUMED" in out
+
+
+def test_one_wild_figure_or_an_outlier_cell_is_a_busy_machine_too(tmp_path, capsys):
+    """Issue 30 item 10: a 10% median hid a host add at 1/50 of one thread's rate and a 256 KiB memcpy at 0.06 GB/s.
+    The widest spread and cells out of line with their neighbours count as busy, named in the warning."""
+    spread = {f"memcpy {n} MiB": 0.02 for n in (1, 2, 4, 8)}
+    wild = save_profile(two_core_profile(spread={**spread, "host add float32 2 threads 1 MiB": 3.0}),
+                        tmp_path / "wild.json")
+    code, out, _ = run(["--load", str(wild)], capsys)
+    assert code == cli.EXIT_OK
+    assert "WARNING: the machine was busy while measuring (the repeats of host add float32 2 threads 1 MiB " \
+           "disagree by 300% (calm: under 100%))" in out
+    assert json.loads(run(["--load", str(wild), "--json"], capsys)[1])["busy"] is not None
+
+    dip = BandwidthCurve("memcpy", ((2**17, 4e9), (2**18, 0.06e9), (2**20, 5e9), (2**26, 8e9)))
+    base = two_core_profile(spread=spread)
+    rates = {dt: dict(tab) for dt, tab in base.cpu_adamw.rates.items()}
+    rates["float32"][2] = rates["float32"][1] / 50
+    add = HostAddRates(kernel="numba", curves={"float32": {
+        1: BandwidthCurve("host-add", ((2**20, 60e9), (2**24, 57e9))),
+        2: BandwidthCurve("host-add", ((2**20, 0.6e9), (2**24, 56e9)))}})
+    odd = dataclasses.replace(base, memcpy=dip, cpu_adamw=dataclasses.replace(base.cpu_adamw, rates=rates),
+                              host_add=add)
+    assert odd.outliers() == ["memcpy 262144 B at 0.06 GB/s against 4 and 5",
+                              "host AdamW float32 at 2 threads 6 M/s against 300 at 1",
+                              "host add float32 1048576 B at 2 threads 0.6 GB/s against 60 at 1"]
+    code, out, _ = run(["--load", str(save_profile(odd, tmp_path / "odd.json"))], capsys)
+    assert "figures out of line with their neighbours: memcpy 262144 B at 0.06 GB/s" in out
+    assert base.busy() is None and base.outliers() == []  # neighbours in line, spreads calm: not busy
+
+
+def test_load_prints_the_profile_once_asked(saved_profile, capsys):
+    """Issue 30 item 10: a measuring run prints the figures; --load prints one line and the choice, unless
+    --show-profile."""
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2"]
+    code, short, _ = run(argv, capsys)
+    code2, full, _ = run([*argv, "--show-profile"], capsys)
+    assert code == code2 == cli.EXIT_OK
+    assert "copy bandwidth" not in short and "host AdamW (" not in short and "--show-profile prints" in short
+    assert "copy bandwidth" in full and "host AdamW (" in full
+    assert short.split("would choose", 1)[1] == full.split("would choose", 1)[1]  # the same choice
+    assert "profile loaded from" in short

@@ -59,8 +59,10 @@ def test_noise_is_the_median_spread_and_busy_says_why():
 
     from zenflow_triton.autotune.profile import NOISY_SPREAD
 
-    calm = dataclasses.replace(synthetic_profile(), spread={"a": 0.01, "b": 0.02, "c": 3.0}, load_average=1.0)
-    assert calm.noise == 0.02 and calm.busy() is None  # one wild figure does not make a run noisy
+    calm = dataclasses.replace(synthetic_profile(), spread={"a": 0.01, "b": 0.02, "c": 0.6}, load_average=1.0)
+    assert calm.noise == 0.02 and calm.busy() is None  # one latency-bound figure at 60% does not make a run noisy
+    wild = dataclasses.replace(calm, spread={"a": 0.01, "b": 0.02, "c": 3.0})
+    assert wild.noise == 0.02 and wild.busy() == "the repeats of c disagree by 300% (calm: under 100%)"  # issue 30
     noisy = dataclasses.replace(calm, spread={"a": 0.3, "b": 0.5})
     assert noisy.noise == pytest.approx(0.4) and noisy.noise > NOISY_SPREAD
     assert "disagree by 40%" in noisy.busy()

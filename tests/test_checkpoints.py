@@ -146,6 +146,7 @@ def _move_state(opt: ZenFlowAdamW) -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.slow
 def test_state_mover_changes_nothing(overlap: bool, monkeypatch) -> None:
     """A mover while a host job is still writing the slab (its copies are stale by the time the job ends), and
     again right after loading a checkpoint: training continues bit for bit."""

@@ -47,6 +47,7 @@ def _same_tensors(a, b) -> bool:
 # ------------------------------------------------------------------------------------------- timeouts (1, 2)
 
 
+@pytest.mark.slow
 def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(monkeypatch) -> None:
     # overlap=False on CPU fp32 tensors: the host kernel's master is the parameter itself.
     original = zpipe.run_host_job

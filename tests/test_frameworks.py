@@ -104,6 +104,7 @@ def copying_mover(opt: torch.optim.Optimizer) -> None:
 # ------------------------------------------------------------------------------------------------- packaging
 
 
+@pytest.mark.slow
 def test_optional_imports() -> None:
     """``import zenflow_triton`` and ``zenflow_triton.integrations`` import neither framework."""
     code = ("import sys, zenflow_triton, zenflow_triton.integrations; "
@@ -577,7 +578,7 @@ def test_hf_trainer_clipping_moves_into_in_backward_optimizer(tmp_path: Path, ca
     moved, _, _, _ = _hf_clip_run(tmp_path / "moved-once", knob=True)
     framework, args, opt, seen = _hf_clip_run(tmp_path / "framework", knob=False)
     assert seen == [CLIP] * 6 and args.max_grad_norm == CLIP
-    assert opt.config.max_grad_norm is None and "max_grad_norm" not in opt.stats()
+    assert opt.config.max_grad_norm is None and opt.stats()["max_grad_norm"] is None
     assert_same(moved, framework, "weights (clipped in the optimizer vs by the Trainer)")
     unclipped, _, _, _ = _hf_clip_run(tmp_path / "unclipped", knob=False, framework_clip=0.0)
     assert any(not torch.equal(a, b) for a, b in zip(unclipped, framework))

@@ -19,6 +19,8 @@ if not torch.distributed.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 TIMEOUT_S = 240
+# Every test here spawns processes: 5-25 s each on the 2-core VM (pytest --durations=0, 2026-12-03).
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

@@ -121,6 +121,7 @@ def test_matches_simulation_every_step() -> None:
 
 @pytest.mark.parametrize("r", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_micro_batches_sum_as_grad_does(r: float, dtype: torch.dtype) -> None:
     """Three backward() calls per step, with a selection that the scores cannot change (nothing, or every column:
     per-micro-batch scores may choose otherwise than the summed gradient's): the parameters are the default mode's
@@ -131,6 +132,7 @@ def test_micro_batches_sum_as_grad_does(r: float, dtype: torch.dtype) -> None:
         o.close()
 
 
+@pytest.mark.slow
 def test_micro_batches_match_simulation_with_per_micro_batch_scores() -> None:
     """Two backward() calls per step at r = 0.25 over three selections: the dense oracle, given the summed gradient
     for the update and the micro-batches' summed column norms for the scores (what the capture documents)."""
@@ -190,6 +192,7 @@ def test_micro_batch_scores_are_summed_per_micro_batch() -> None:
     opt.close()
 
 
+@pytest.mark.slow
 def test_zero_grad_discards_a_capture() -> None:
     """backward, zero_grad(), backward, step equals backward, step (in the default mode)."""
     models, opts = _pair()

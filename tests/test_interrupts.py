@@ -14,13 +14,13 @@ import pytest
 import torch
 from test_optimizer import MIN_OFFLOAD, Net, loss_fn
 
-import zenflow_triton.pipeline as zpipe
+import zenflow_triton.worker as zworker
 from zenflow_triton import ZenFlowAdamW
 
 KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD)
 STEPS = 10
-INTERRUPT_AT = 3  # the 4th step() ends a window and waits for the 2nd step's (slowed) host job
-JOB_DELAY_S = 0.4
+INTERRUPT_AT = 3  # the 4th step() ends a window and waits for a host job
+GATE_TIMEOUT_S = 60.0  # only a broken test waits this long
 
 
 @pytest.fixture
@@ -32,19 +32,51 @@ def default_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+class Gate:
+    """Holds the main thread inside ``HostWorker.wait`` (so inside step()'s or flush()'s wait for the host) until
+    ``signals`` interrupts have reached it there, whatever the machine's load: the test's thread sends each one only
+    once the main thread is in the wait (``waiting``), and the wait lets it through (raises it) only then. Armed by
+    :meth:`interrupt` for the next call; the real wait follows, so the job's result is what an uninterrupted wait
+    returns."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.waiting = threading.Event()
+        self.seen = 0
+
+    def interrupt(self, times: int = 1, signum: int = signal.SIGINT) -> None:
+        self.pending = times
+
+        def fire() -> None:
+            for _ in range(times):
+                assert self.waiting.wait(GATE_TIMEOUT_S), "the main thread never waited for the host"
+                self.waiting.clear()
+                _thread.interrupt_main(signum)
+
+        threading.Thread(target=fire, daemon=True).start()
+
+    def hold(self) -> None:
+        if self.pending == 0 or threading.current_thread() is not threading.main_thread():
+            return
+        self.pending -= 1
+        self.waiting.set()
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while time.monotonic() < deadline:  # the interrupt is raised here, inside the optimizer's wait
+            time.sleep(0.005)
+        raise AssertionError("the interrupt never reached the main thread's wait")
+
+
 @pytest.fixture
-def slow_host_jobs(monkeypatch):
-    """Host jobs that take JOB_DELAY_S longer (or what the test sets in the returned dict), so that step() at a
-    window end waits for them."""
-    original = zpipe.run_host_job
-    delay = {"s": JOB_DELAY_S}
+def gate(monkeypatch) -> Gate:
+    g = Gate()
+    original = zworker.HostWorker.wait
 
-    def slow(*args):
-        time.sleep(delay["s"])
-        return original(*args)
+    def wait(self, future, timeout):
+        g.hold()
+        return original(self, future, timeout)
 
-    monkeypatch.setattr(zpipe, "run_host_job", slow)
-    return delay
+    monkeypatch.setattr(zworker.HostWorker, "wait", wait)
+    return g
 
 
 def _make(model: Net, overlap: bool) -> tuple[ZenFlowAdamW, torch.optim.lr_scheduler.LRScheduler]:
@@ -69,19 +101,8 @@ def _straight(overlap: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _interrupt_soon(times: int = 1, signum: int = signal.SIGINT) -> None:
-    """Deliver ``signum`` to the main thread ``times`` times, 0.1 s apart, starting in 0.15 s."""
-
-    def fire() -> None:
-        for _ in range(times):
-            time.sleep(0.15 if times == 1 else 0.1)
-            _thread.interrupt_main(signum)
-
-    threading.Thread(target=fire, daemon=True).start()
-
-
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exactly(default_sigint, slow_host_jobs,
+def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exactly(default_sigint, gate,
                                                                                      overlap: bool) -> None:
     straight = _straight(overlap)
     model = Net()
@@ -89,15 +110,12 @@ def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exa
     _train(model, opt, sched, range(INTERRUPT_AT))
     opt.zero_grad()
     loss_fn(model, INTERRUPT_AT).backward()
-    _interrupt_soon()
+    gate.interrupt()
     returned = False
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-        # Were the interrupt delivered after step() returned, it would land in this sleep instead. A flag, not a
-        # clock: on a loaded machine step() itself may take seconds.
-        returned = True
-        time.sleep(5)
-    assert not returned, "the interrupt reached the caller only after step() had returned"
+        returned = True  # the gate raises the interrupt inside step()'s wait, so this line never runs
+    assert not returned, "step() swallowed the interrupt"
     # The handler: save a checkpoint (model first, as `{"model": ..., "opt": ...}` evaluates it).
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
     sched.step()  # the loop's remaining work for this step, as after a completed step()
@@ -123,7 +141,7 @@ def test_ctrl_c_in_step_propagates_and_a_checkpoint_from_the_handler_resumes_exa
     opt.close()
 
 
-def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_jobs) -> None:
+def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(gate) -> None:
     def exit_handler(signum, frame):
         raise SystemExit(3)
 
@@ -133,10 +151,9 @@ def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_job
         model = Net()
         opt, sched = _make(model, True)
         _train(model, opt, sched, range(INTERRUPT_AT))  # a host job is in flight
-        _interrupt_soon(signum=signal.SIGTERM)
+        gate.interrupt(signum=signal.SIGTERM)
         with pytest.raises(SystemExit):
             opt.flush()
-            time.sleep(5)
         _train(model, opt, sched, range(INTERRUPT_AT, STEPS))
         opt.flush()
         # flush() ends the open window early, so the trajectory is that of a flush after INTERRUPT_AT steps.
@@ -155,20 +172,18 @@ def test_system_exit_in_flush_propagates_and_the_optimizer_goes_on(slow_host_job
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(default_sigint, slow_host_jobs) -> None:
-    # Both interrupts must land in the wait (the second one propagates at once; were the first one raised by a
-    # finished step before the second arrived, the second would land outside this test's handler): long jobs.
-    slow_host_jobs["s"] = 2.5
+def test_second_interrupt_propagates_at_once_and_the_optimizer_stays_usable(default_sigint, gate) -> None:
+    # Both interrupts land in the wait (the gate holds the main thread there for each): the first is held, the
+    # second propagates at once.
     model = Net()
     opt, sched = _make(model, True)
     _train(model, opt, sched, range(INTERRUPT_AT))
     opt.zero_grad()
     loss_fn(model, INTERRUPT_AT).backward()
-    _interrupt_soon(times=2)
+    gate.interrupt(times=2)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-        time.sleep(5)
-    slow_host_jobs["s"] = 0.0
+    assert gate.pending == 0
     # Not necessarily the uninterrupted trajectory (the step was cut short), but nothing is refused or lost.
     opt.flush()
     sd = opt.state_dict()

@@ -132,3 +132,81 @@ def test_set_knobs_waits_for_auto_to_choose() -> None:
     with pytest.raises(RuntimeError, match="auto"):
         opt.set_knobs(topk_ratio=0.2)
     opt.close()
+
+
+def test_a_load_logs_host_lr_scale_and_overlap_steps(caplog) -> None:
+    """Issue 30 item 5: every knob a load changes is named, the host step's scale and the merge delay included."""
+    source = Net()
+    src = ZenFlowAdamW(source.parameters(), **BASE, update_interval=4, host_lr_scale=0.5, overlap_steps=2)
+    train_steps(source, src, range(6))
+    opt = ZenFlowAdamW(Net().parameters(), **BASE, update_interval=4)
+    with caplog.at_level(logging.DEBUG, logger="zenflow_triton"):
+        opt.load_state_dict(copy.deepcopy(src.state_dict()))
+    records = [r for r in caplog.records if r.name.startswith("zenflow_triton")]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    message = records[0].getMessage()
+    assert "host_lr_scale 1 -> 0.5" in message and "overlap_steps None -> 2" in message, message
+    assert "topk_ratio" not in message and "update_interval" not in message  # only what changed
+    assert (opt.stats()["host_lr_scale"], opt.stats()["overlap_steps"]) == (0.5, 2)
+    src.close()
+    opt.close()
+
+
+@pytest.mark.parametrize("changes", [dict(host_lr_scale=0.5, overlap_steps=2), dict(overlap_steps=1),
+                                     dict(host_lr_scale=2.0)], ids=["both", "K", "s"])
+def test_set_knobs_host_lr_scale_and_overlap_steps_equal_a_checkpoint_that_carries_them(changes, caplog) -> None:
+    """Oracle: a checkpoint saved at the same step with the new values written into it, loaded into a fresh
+    optimizer; neither knob restarts the window, so no flush."""
+    knobs = dict(**BASE, topk_ratio=0.25, update_interval=4)
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), **knobs)
+    train_steps(model, opt, range(6))  # mid-window, the last window's result still pending
+    sd = copy.deepcopy(opt.state_dict())
+    model_sd = copy.deepcopy(model.state_dict())
+    with caplog.at_level(logging.INFO, logger="zenflow_triton"):
+        opt.set_knobs(**changes)
+    message = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("zenflow_triton"))
+    for name, value in changes.items():
+        assert f"{name} " in message and f"-> {value:g}" in message, message
+
+    for entry in (sd["zenflow"], *(g["zenflow"] for g in sd["param_groups"])):
+        entry.update(changes)
+    ref_model = Net()
+    ref_model.load_state_dict(model_sd)
+    ref = ZenFlowAdamW(ref_model.parameters(), **knobs)
+    ref.load_state_dict(sd)
+    for o in (opt, ref):
+        assert {k: o.stats()[k] for k in changes} == changes
+    steps = range(6, 22)
+    train_steps(model, opt, steps)
+    train_steps(ref_model, ref, steps)
+    opt.flush()
+    ref.flush()
+    assert all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
+    opt.set_knobs(host_lr_scale=1.0, overlap_steps=None)  # and back to the defaults
+    assert (opt.stats()["host_lr_scale"], opt.stats()["overlap_steps"]) == (1.0, None)
+    opt.close()
+    ref.close()
+
+
+def test_set_knobs_checks_host_lr_scale_and_overlap_steps_as_the_constructor_does() -> None:
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), **BASE, update_interval=4)
+    train_steps(model, opt, range(3))
+    before = copy.deepcopy(opt.state_dict()["zenflow"])
+    for bad, match in [(dict(host_lr_scale=0.0), "Invalid host_lr_scale"),
+                       (dict(host_lr_scale=math.inf), "Invalid host_lr_scale"),
+                       (dict(host_lr_scale=True), "Invalid host_lr_scale"),
+                       (dict(host_lr_scale="auto"), "Invalid host_lr_scale: 'auto'"),
+                       (dict(overlap_steps=5), "Invalid overlap_steps: 5 is more than update_interval=4"),
+                       (dict(overlap_steps=0), "Invalid overlap_steps"),
+                       (dict(overlap_steps="auto"), "Invalid overlap_steps: 'auto'"),
+                       (dict(host_lr_scale=0.5, overlap_steps=9), "Invalid overlap_steps")]:
+        with pytest.raises(ValueError, match=match):
+            opt.set_knobs(**bad)
+        assert opt.state_dict()["zenflow"] == before, bad  # nothing half-applied
+    opt.close()
+    sync = ZenFlowAdamW(Net().parameters(), **BASE, update_interval=4, overlap=False)
+    with pytest.raises(ValueError, match="overlap=False"):
+        sync.set_knobs(overlap_steps=2)
+    sync.close()

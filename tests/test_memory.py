@@ -35,6 +35,7 @@ def test_host_accumulation_holds_at_most_9_6_bytes_per_param() -> None:
     assert host.peak <= 9.5
 
 
+@pytest.mark.slow
 def test_host_accumulation_of_a_bf16_model_holds_no_device_buffer_for_the_sum() -> None:
     """bf16 "host": weights 2 + grads 2 + compact state 1.2 + vectors and the batch (python bench/report_memory.py:
     5.26 held). Before the fused step took acc=None, an fp32 scratch of the largest weight added 1 B/param (6.26)."""

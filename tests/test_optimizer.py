@@ -409,6 +409,7 @@ def train(make_opt, steps: int = 24, accumulate: int = 1) -> tuple[nn.Module, to
     ids=["all-on-device", "all-on-host-sync"],
 )
 @pytest.mark.parametrize("cls,ref_cls", [(ZenFlowAdamW, torch.optim.AdamW), (ZenFlowAdam, torch.optim.Adam)])
+@pytest.mark.slow
 def test_degenerate_modes_equal_torch(knobs, cls, ref_cls) -> None:
     ref_model, _ = train(lambda ps: ref_cls(ps, lr=1e-2, weight_decay=0.1, foreach=False), accumulate=2)
     model, opt = train(lambda ps: cls(ps, lr=1e-2, weight_decay=0.1, min_offload_numel=1024, **knobs),

@@ -56,6 +56,7 @@ def _run(*, backend: str, overlap: bool, steps: int, interval: int, select: int,
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.slow
 def test_missing_gradients_follow_one_schedule(backend: str, overlap: bool) -> None:
     _skip_unavailable(backend)
     steps, interval, select = 32, 4, 8

@@ -79,3 +79,20 @@ def test_matrices_kept_resident_get_one_summary_warning(caplog) -> None:
         assert shape in message
     assert "(7,)" not in message and "model.float()" in message and "contiguous" in message
     opt.close()
+
+
+def test_clipping_keys_are_there_and_none_without_clipping() -> None:
+    """Issue 30 item 6: the table lists ``max_grad_norm`` and ``last_grad_norm`` as None without clipping."""
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    assert opt.stats()["max_grad_norm"] is None and opt.stats()["last_grad_norm"] is None
+    train_steps(model, opt, range(3))
+    st = opt.stats()
+    assert st["max_grad_norm"] is None and st["last_grad_norm"] is None
+    opt.close()
+    clipped = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD,
+                           max_grad_norm=1.0)
+    assert clipped.stats()["max_grad_norm"] == 1.0 and clipped.stats()["last_grad_norm"] is None  # no step yet
+    train_steps(model, clipped, range(2))
+    assert isinstance(clipped.stats()["last_grad_norm"], float)
+    clipped.close()

@@ -26,6 +26,7 @@ SPILL_OPS_IN_LOOP = 1
 FALLBACK_SPILL_OPS_IN_LOOP = 16
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .agree import on_rank_zero
 from .config import ZenFlowConfig
 from .worker import host_thread_limit, host_thread_share
 
@@ -93,6 +94,11 @@ def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig, saved: str
         # A load before the first step sees no activations in the peak (no forward has run): the rule would think
         # the device roomier than the run that saved the checkpoint found it at its first step, with them.
         return saved, "the checkpoint's (decided at its run's first step; a load before this run's cannot see the peak)"
+    # Decided on rank 0 and broadcast under torch.distributed: one placement for every rank (agree.py).
+    return on_rank_zero(lambda: _placement_rule(params, config))
+
+
+def _placement_rule(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tuple[str, str]:
     from .autotune.placement import place_accumulation
     from .sharding import local
 
@@ -193,13 +199,14 @@ class Knobs:
         from .autotune import plan_for_optimizer
 
         cfg = self.config
-        plan = plan_for_optimizer(
+        # Planned on rank 0 and broadcast under torch.distributed: every rank runs one schedule (agree.py).
+        plan = on_rank_zero(lambda: plan_for_optimizer(
             offloaded_shapes=offloaded_shapes, param_dtype=param_dtype, grad_dtype=cfg.grad_dtype,
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
             overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
             accumulate=accumulate, overlap_steps=cfg.overlap_steps,
-        )
+        ))
         self.plan = plan
         u = int(plan.update_interval)
         s = cfg.select_interval

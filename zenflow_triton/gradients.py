@@ -58,8 +58,7 @@ class GradientClipper:
         self._last_norm = total
 
     def report(self) -> dict[str, Any]:
-        """``stats()`` entries: the knob, and the total gradient norm of the last clipped step (one device sync)."""
-        if self.max_norm is None:
-            return {}
-        norm = self._last_norm
+        """``stats()`` entries: the knob, and the total gradient norm of the last clipped step (one device sync);
+        both None without clipping (the keys are always there, as docs/telemetry.md's table lists them)."""
+        norm = self._last_norm if self.max_norm is not None else None
         return {"max_grad_norm": self.max_norm, "last_grad_norm": None if norm is None else float(norm)}

@@ -229,17 +229,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def set_knobs(self, *, topk_ratio: float | None = None, update_interval: int | None = None,
-                  select_interval: int | None = None) -> None:
-        """Change ``topk_ratio``, ``update_interval`` or ``select_interval`` of a running optimizer, typically a
-        resumed one (a checkpoint's knobs win over the constructor's at ``load_state_dict()``). A new U or S ends the
-        open window now, as ``flush()`` does (the next ends at the schedule's next multiple of U); a new
-        ``topk_ratio`` takes effect at the next selection step. Without ``select_interval``, S follows a new U where
-        it was the default (8 windows), else it must be a multiple of the new U. ``state_dict()`` and ``stats()``
-        carry the new values (``opt.config`` stays the constructor's); nothing changes when it raises."""
+    def set_knobs(self, **knobs: Any) -> None:
+        """Change ``topk_ratio``, ``update_interval``, ``select_interval``, ``host_lr_scale`` or ``overlap_steps``
+        (keywords, concrete values checked as the constructor checks them; ``overlap_steps=None`` is U) of a running
+        optimizer, typically a resumed one (a checkpoint's knobs win at ``load_state_dict()``). A new U or S ends the
+        open window now, as ``flush()`` does; a new ``topk_ratio`` takes effect at the next selection step, a new
+        ``host_lr_scale`` at the next window end. Without ``select_interval``, S follows a new U where it was the
+        default (8 windows). ``state_dict()`` and ``stats()`` carry the new values; nothing changes when it raises."""
         self._pipeline.check_usable()
-        retune.set_knobs(self._knobs, self.flush, topk_ratio=topk_ratio, update_interval=update_interval,
-                         select_interval=select_interval)
+        retune.set_knobs(self._knobs, self.flush, **knobs)
 
     def adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state_dict (``torch.optim.Adam``'s for
