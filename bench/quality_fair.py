@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -64,7 +65,16 @@ from late_adamw import LateAdamW
 
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import QualityTable
-from zenflow_triton.demo.charlm import CharLMConfig, evaluate, load_corpora, make_model, pretrained_state, train
+from zenflow_triton.demo.charlm import (
+    CharLMConfig,
+    encode,
+    evaluate,
+    load_corpora,
+    make_model,
+    pretrain,
+    pretrained_state,
+    train,
+)
 
 __all__ = ["Task", "Config", "tasks", "configs", "measure", "add_runs", "summarize", "render", "spike", "main"]
 
@@ -83,6 +93,8 @@ class Task:
     corpus: str  # "pydoc" or "stdlib"
     schedule: bool  # warm-up 5% + cosine to 0.1x
     lrs: tuple[float, ...]
+    clip: float = 0.0  # > 0: clip the gradients' total norm to this before every step (both optimizers)
+    pretrain_corpus: str = "stdlib"  # what pretrain_steps train on (AdamW, charlm.pretrain's schedule)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ class Config:
     select_interval: int | None = None  # None: 8 U (the default)
     late: bool = False  # torch AdamW with the offloadable matrices one update late (bench/late_adamw.py)
     overlap_steps: int | None = None  # None: U (the default)
+    topk_ratio: float | None = None  # None: the run's --topk-ratio
 
     @property
     def is_adamw(self) -> bool:
@@ -102,32 +115,74 @@ class Config:
 
 
 def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3),
-          long_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3), long_steps: int = 1000) -> list[Task]:
+          long_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3), long_steps: int = 1000,
+          arith_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3, 8e-3),
+          shift_lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3)) -> list[Task]:
     if smoke:
         return [Task("finetune", "smoke fine-tune", 8, 8, "pydoc", False, tuple(lrs[:2])),
                 Task("scratch", "smoke from scratch", 8, 0, "pydoc", False, tuple(lrs[:2])),
-                Task("long", "smoke long run", 24, 0, "stdlib", True, tuple(long_lrs[:2]))]
+                Task("long", "smoke long run", 24, 0, "stdlib", True, tuple(long_lrs[:2])),
+                Task("arith", "smoke arithmetic", 12, 0, "arith", True, tuple(arith_lrs[:2]), clip=1.0),
+                Task("shift", "smoke shift", 8, 8, "stdlib", True, tuple(shift_lrs[:2]), clip=1.0,
+                     pretrain_corpus="pydoc")]
     return [
         Task("finetune", "demo fine-tune: pretrained 800 steps on stdlib source, 200 steps on pydoc topics", 200, 800,
              "pydoc", False, tuple(lrs)),
         Task("scratch", "from scratch: 200 steps on pydoc topics", 200, 0, "pydoc", False, tuple(lrs)),
         Task("long", f"long run from scratch: {long_steps} steps on stdlib source (90/10 split), warm-up 5% + cosine "
              "to 0.1x", long_steps, 0, "stdlib", True, tuple(long_lrs)),
+        Task("arith", "from scratch on generated arithmetic strings (`123+45=168`, 90/10 split), 300 steps, warm-up 5% "
+             "+ cosine to 0.1x, gradient norm clipped to 1.0", 300, 0, "arith", True, tuple(arith_lrs), clip=1.0),
+        Task("shift", "domain shift: pretrained 800 steps on pydoc topics (English), 200 steps on stdlib source "
+             "(code), warm-up 5% + cosine to 0.1x, gradient norm clipped to 1.0", 200, 800, "stdlib", True,
+             tuple(shift_lrs), clip=1.0, pretrain_corpus="pydoc"),
     ]
+
+
+def arith_corpus(n_bytes: int = 200_000, seed: int = 0) -> torch.Tensor:
+    """Generated arithmetic lines (``a+b=c``, ``a-b=c``, ``a*b=c``; operands up to 4 digits, products of up to 2),
+    ``n_bytes`` of them as a byte tensor: the algorithmic text a newcomer trains on first."""
+    rng = random.Random(seed)
+    lines, size = [], 0
+    while size < n_bytes:
+        op = rng.choice("+-*")
+        hi = 99 if op == "*" else 9999
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        line = f"{a}{op}{b}={a + b if op == '+' else a - b if op == '-' else a * b}\n"
+        lines.append(line)
+        size += len(line)
+    return encode("".join(lines)[:n_bytes])
+
+
+class _Clipped:
+    """``opt`` whose ``step()`` first clips the model's gradient norm to ``clip`` (torch.nn.utils.clip_grad_norm_),
+    as a training loop does before its optimizer step."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: list[torch.Tensor], clip: float) -> None:
+        self.opt, self.params, self.clip = opt, params, clip
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
 
 
 def configs(scales: Sequence[float], warmups: Sequence[int] = (0,),
             select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False),
-            late: bool = False, overlap_steps: Sequence[int | None] = (None,)) -> list[Config]:
+            late: bool = False, overlap_steps: Sequence[int | None] = (None,),
+            topk_ratios: Sequence[float | None] = (None,)) -> list[Config]:
     """AdamW (and with ``late`` AdamW one update late), then ZenFlow at every overlap x scale x warm-up x
     select_interval x overlap_steps (overlap only); a knob at its default is left out of the name (so names match
     older results)."""
     out = [Config("AdamW")] + ([Config(LATE, late=True)] if late else [])
-    for overlap, s, w, sel in itertools.product(overlaps, scales, warmups, select_intervals):
+    for overlap, s, w, sel, r in itertools.product(overlaps, scales, warmups, select_intervals, topk_ratios):
         for k in overlap_steps if overlap else (None,):
             name = (f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}" + (f" warm={w}" if w else "")
-                    + (f" S={sel}" if sel else "") + (f" K={k}" if k else ""))
-            out.append(Config(name, overlap, float(s), int(w), sel or None, overlap_steps=k or None))
+                    + (f" S={sel}" if sel else "") + (f" K={k}" if k else "") + (f" r={r:g}" if r else ""))
+            out.append(Config(name, overlap, float(s), int(w), sel or None, overlap_steps=k or None,
+                              topk_ratio=r or None))
     return out
 
 
@@ -172,13 +227,15 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
     elif config.late:
         opt = LateAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     else:
-        opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
+        opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY,
+                           topk_ratio=config.topk_ratio or topk_ratio,
                            update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
                            host_lr_scale=config.host_lr_scale, warmup_steps=config.warmup_steps,
                            select_interval=config.select_interval, overlap_steps=config.overlap_steps)
     try:
         sched = _schedule(opt, task.steps) if task.schedule else None
-        losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
+        stepper: Any = _Clipped(opt, list(model.parameters()), task.clip) if task.clip > 0 else opt
+        losses = train(model, stepper, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
         if isinstance(opt, (ZenFlowAdamW, LateAdamW)):
             opt.flush()  # overlap=True: the last window's host result reaches the model one window late
         return evaluate(model, data[1]), losses
@@ -219,6 +276,8 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
     cut = int(len(corpora.pretrain) * 0.9)
     data = {"pydoc": (corpora.finetune_train, corpora.finetune_val),
             "stdlib": (corpora.pretrain[:cut], corpora.pretrain[cut:])}
+    arith = arith_corpus()
+    data["arith"] = (arith[:int(len(arith) * 0.9)], arith[int(len(arith) * 0.9):])
     doc: dict[str, Any] = {
         "what": "held-out loss after flush(), per task, optimizer, lr and batch seed (bench/quality_fair.py)",
         "command": command,
@@ -242,7 +301,7 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
                 if skip is None or not skip(task.name, config.name, lr, seed)]
         if not todo:
             continue
-        start = pretrained_state(cfg, steps=task.pretrain_steps) if task.pretrain_steps else None
+        start = _pretrained(cfg, task, corpora.finetune_train)
         for seed in seeds[task.name]:
             if not any(s == seed for s, _, _ in todo):
                 continue
@@ -265,6 +324,17 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
             if save is not None:
                 save(doc)
     return doc
+
+
+def _pretrained(cfg: CharLMConfig, task: Task, pydoc: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The task's starting weights: None from scratch, else pretrained with AdamW on its pretrain corpus."""
+    if not task.pretrain_steps:
+        return None
+    if task.pretrain_corpus == "stdlib":
+        return pretrained_state(cfg, steps=task.pretrain_steps)
+    model = make_model(cfg, seed=0)
+    pretrain(model, pydoc, steps=task.pretrain_steps, seed=0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------- summary
@@ -440,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-steps", type=int, default=1000)
-    parser.add_argument("--tasks", nargs="+", choices=["finetune", "scratch", "long"],
-                        help="default: all three (with --add-to: its tasks)")
+    parser.add_argument("--arith-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3])
+    parser.add_argument("--shift-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
+    parser.add_argument("--tasks", nargs="+", choices=["finetune", "scratch", "long", "arith", "shift"],
+                        help="default: all five (with --add-to: its tasks)")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
@@ -454,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlaps", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--overlap-steps", type=int, nargs="+", default=[0],
                         help="overlap_steps values for the overlap configurations (0: the default, U; in a name K=N)")
+    parser.add_argument("--topk-ratios", type=float, nargs="+", default=[0],
+                        help="per-configuration topk_ratio values (0: --topk-ratio; in a name r=X)")
     parser.add_argument("--late", action="store_true",
                         help=f"also run '{LATE}': torch AdamW whose offloadable matrices hold the master of one update "
                              "before (bench/late_adamw.py), the staleness of overlap=True alone")
@@ -478,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required unless --report is given")
     torch.set_num_threads(1)
     smoke = args.smoke or SMOKE
-    task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps)
+    task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps,
+                                  arith_lrs=args.arith_lrs, shift_lrs=args.shift_lrs)
                  if args.tasks is None or t.name in args.tasks]
     seeds = args.seeds[:1] if smoke else args.seeds
     command = "nice -n 10 python bench/quality_fair.py " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -489,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
     wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps], args.late,
-                     args.overlap_steps)
+                     args.overlap_steps, args.topk_ratios)
     if args.add_to is not None:
         doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
                        add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)
