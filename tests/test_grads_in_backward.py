@@ -338,15 +338,16 @@ def test_refusals(monkeypatch) -> None:
     with pytest.raises(ValueError, match="grads_in_backward"):
         ZenFlowConfig(grads_in_backward=1)
     with pytest.raises(ValueError, match="bfloat16"):
-        ZenFlowAdamW(Net(torch.float16).parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW(Net(torch.float16).parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True,
+                     warmup_steps=0)
     w = torch.nn.Parameter(torch.randn(32, 32))
     with pytest.raises(ValueError, match="listed twice"):
-        ZenFlowAdamW([w, w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW([w, w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
     with pytest.raises(ValueError, match="grad_dtype='float32'"):
-        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, grad_dtype="bfloat16")
+        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, grad_dtype="bfloat16", warmup_steps=0)
     monkeypatch.setattr(zcapture, "is_sharded", lambda p: True)
     with pytest.raises(ValueError, match="DTensor"):
-        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
 
 
 def test_several_processes_are_refused(monkeypatch) -> None:
@@ -355,7 +356,7 @@ def test_several_processes_are_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     with pytest.raises(RuntimeError, match="several processes"):
-        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
 
 
 def test_zenflow_adam_equals_its_default_mode() -> None:
@@ -370,7 +371,7 @@ def test_zenflow_adam_equals_its_default_mode() -> None:
 
 def test_auto_places_the_sums_on_the_host_and_stats() -> None:
     model = Net()
-    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True) as opt:
+    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0) as opt:
         loss_fn(model, 0).backward()
         opt.step()
         st = opt.stats()
