@@ -201,7 +201,7 @@ class Knobs:
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
             overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
-            accumulate=accumulate, overlap_steps=cfg.overlap_steps,
+            accumulate=accumulate, overlap_steps=cfg.overlap_steps, quality_regime=cfg.quality_regime,
         )
         self.plan = plan
         u = int(plan.update_interval)
