@@ -65,6 +65,7 @@ from late_adamw import LateAdamW
 
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import QualityTable
+from zenflow_triton.config import ZenFlowConfig
 from zenflow_triton.demo.charlm import (
     CharLMConfig,
     encode,
@@ -453,6 +454,32 @@ def _dates(doc: dict) -> str:
     return first if last in (None, first) else f"{first} to {last}"
 
 
+def is_defaults(doc: dict, c: dict) -> bool:
+    """Whether configuration ``c`` of ``doc`` is ``ZenFlowAdamW(params, lr=...)``'s defaults on CPU tensors (where
+    ``overlap_steps="auto"`` is 1)."""
+    cfg = ZenFlowConfig()
+    cpu = cfg.without_planning("cpu")
+    u = doc["update_interval"]
+    return (c.get("overlap") is cfg.overlap and not c.get("late") and c["host_lr_scale"] == cfg.host_lr_scale
+            and (c.get("topk_ratio") or doc["topk_ratio"]) == cfg.topk_ratio and u == cfg.update_interval
+            and c.get("warmup_steps", 0) == cfg.warmup_steps and (c.get("overlap_steps") or u) == cpu.overlap_steps
+            and (c.get("select_interval") or 8 * u) == cfg.resolved_select_interval())
+
+
+def defaults_lines(doc: dict, summary: dict) -> list[str]:
+    """One line per task: the defaults' best mean loss over AdamW's best, each at its best lr of the grid."""
+    name = next((c["name"] for c in doc["configs"] if is_defaults(doc, c)), None)
+    out = []
+    for t in (t["name"] for t in doc["tasks"]):
+        row = summary.get(t, {}).get("configs", {}).get(name or "")
+        if row is None:
+            continue
+        lo, hi = row["best_to_best_seeds"]
+        out.append(f"- {t}: {row['best_to_best']:.3f} ({lo:.3f}-{hi:.3f} over seeds), lr {row['best_lr']:g} vs "
+                   f"AdamW's {summary[t]['adamw_best_lr']:g}")
+    return out
+
+
 def render(doc: dict, summary: dict) -> str:
     m = doc["measured"]
     loads = m.get("load_average", [])
@@ -467,7 +494,9 @@ def render(doc: dict, summary: dict) -> str:
         *(f"- added {', '.join(a['configs']) or 'runs'}{_added_where(a)}: {a.get('date')}, revision "
           f"{a.get('revision')}, wall "
           f"{a.get('wall_s') or 0:.0f} s, load average {min(a.get('load_average') or [0]):.1f}-"
-          f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
+          f"{max(a.get('load_average') or [0]):.1f}; "
+          + ("AdamW's runs reused (a rerun reproduced them exactly)" if a.get("adamw_rerun_equal", True)
+             else "a run of its own, at the same time, joined with --merge")
           for a in m.get("added", [])),
         f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
         f"{doc['select_interval']} (in a name, S=N: select_interval N; warm=N: warmup_steps N); batch {doc['batch']}, "
@@ -479,6 +508,11 @@ def render(doc: dict, summary: dict) -> str:
         "the grid.",
         "",
     ]
+    ours = defaults_lines(doc, summary)
+    if ours:
+        lines += ["## The defaults: best loss over AdamW's best, each at its best lr", "",
+                  f"`{next(c['name'] for c in doc['configs'] if is_defaults(doc, c))}` is `ZenFlowAdamW(params, "
+                  "lr=...)` on CPU tensors (`overlap_steps=\"auto\"` is 1 there)", "", *ours, ""]
     for task in doc["tasks"]:
         t = task["name"]
         if t not in summary:
@@ -504,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write OUT.json (after every task and seed) and OUT.md")
     parser.add_argument("--report", type=Path, help="only rebuild the Markdown from this JSON (to stdout)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="join runs on different tasks (same configurations, e.g. run in parallel) into --out")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--long-seeds", type=int, default=2, help="seeds of the long task (the first N of --seeds)")
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0], help="host_lr_scale values")
@@ -550,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required unless --report is given")
+    if args.merge:
+        doc = merge([json.loads(p.read_text()) for p in args.merge])
+        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(render(doc, summarize(doc)) + "\n")
+        print(render(doc, summarize(doc)))
+        return 0
     torch.set_num_threads(1)
     smoke = args.smoke or SMOKE
     task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps,
@@ -578,6 +620,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         _write_table(args.table, doc)
     return 0
+
+
+def merge(docs: Sequence[dict]) -> dict:
+    """The first of ``docs`` with the tasks of the others (same configurations, ZenFlow knobs and seeds; disjoint
+    tasks), each other's record listed as an addition."""
+    doc = json.loads(json.dumps(docs[0]))
+    for other in docs[1:]:
+        if ([c["name"] for c in other["configs"]] != [c["name"] for c in doc["configs"]]
+                or (other["topk_ratio"], other["update_interval"]) != (doc["topk_ratio"], doc["update_interval"])):
+            raise ValueError("merge: the runs differ in configurations or knobs")
+        names = [t["name"] for t in other["tasks"]]
+        if set(names) & {t["name"] for t in doc["tasks"]}:
+            raise ValueError(f"merge: tasks {names} are in both")
+        doc["tasks"] += other["tasks"]
+        doc["runs"].update(other["runs"])
+        doc["seeds"] = sorted(set(doc["seeds"]) | set(other["seeds"]))
+        doc["command"] += f" ; {other['command']}"
+        m = other["measured"]
+        doc["measured"].setdefault("added", []).append({
+            "configs": [c["name"] for c in other["configs"]], "tasks": names, "date": m["date"],
+            "adamw_rerun_equal": False,
+            "revision": m["revision"], "wall_s": m.get("wall_s"), "load_average": m["load_average"]})
+    return doc
 
 
 def _write_table(path: Path, doc: dict) -> None:
