@@ -519,3 +519,23 @@ def test_the_host_add_probe_shows_in_the_table_the_json_and_a_host_plan(tmp_path
                          capsys)
     assert code == cli.EXIT_OK, err
     assert 'host add (accumulate="host"): not measured' in out and "host adds ASSUMED" in out
+
+
+def test_quality_regime_picks_the_tables_regime(saved_profile, tmp_path, capsys):
+    fine = {"topk_ratios": [0.1, 0.5], "update_intervals": [1, 4], "ratio": [[1.02, 1.03], [1.01, 1.02]],
+            "task": "fine"}
+    scratch = dict(fine, ratio=[[1.2, 1.3], [1.1, 1.2]], task="scratch")
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(dict(fine, regimes={"scratch": scratch})))
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2", "--json", "--quality-table",
+            str(mine)]
+    got = {}
+    for regime in ("finetune", "scratch", "worst"):
+        code, out, err = run([*argv, "--quality-regime", regime], capsys)
+        assert code == cli.EXIT_OK, err
+        got[regime] = json.loads(out)["plans"][0]["predicted_loss_ratio"]
+    # Every grid point is within the 1.05 budget on the fine-tune; from scratch none is, so the plan moves toward
+    # r = 1 (AdamW); "worst" is the scratch table here, which is above the fine-tune everywhere.
+    assert got["finetune"] <= 1.03 < got["scratch"] and got["worst"] == got["scratch"]
+    code, out, _ = run(argv, capsys)  # the default: the worse of the two
+    assert json.loads(out)["plans"][0]["predicted_loss_ratio"] == got["worst"]
