@@ -221,3 +221,14 @@ def test_regimes_finetune_scratch_and_the_worse_of_the_two(tmp_path):
 def test_malformed_regimes_are_rejected(regimes, message):
     with pytest.raises(QualityTableError, match=message):
         QualityTable.from_dict(doc(regimes=regimes))
+
+
+def test_the_shipped_table_has_a_scratch_regime_and_worst_plans_with_it():
+    table = default_quality_table()
+    scratch = table.regimes["scratch"]
+    assert "--regime scratch" in scratch.command and "from scratch" in scratch.task
+    assert (scratch.topk_ratios, scratch.update_intervals) == (table.topk_ratios, table.update_intervals)
+    worst = table.for_regime("worst")
+    assert worst.predict(0.1, 4) == max(table.predict(0.1, 4), scratch.predict(0.1, 4))
+    # From scratch loses more than the fine-tune at the default 0.1 / 4, so "worst" is not the fine-tune there.
+    assert scratch.predict(0.1, 4) > table.predict(0.1, 4) + 0.05
