@@ -18,7 +18,7 @@ import zenflow_triton.capture as zcapture
 from zenflow_triton import ZenFlowAdamW, ZenFlowConfig
 
 KNOBS = dict(lr=2e-2, weight_decay=0.05, topk_ratio=0.25, update_interval=3, select_interval=6, warmup_steps=2,
-             min_offload_numel=MIN_OFFLOAD, accumulate="host")
+             min_offload_numel=MIN_OFFLOAD, accumulate="host", overlap_steps=None)
 # warm-up 2, then selections at tau = 1 (step 3: the ordinary path), 7 and 13 (steps 9, 15: captured and migrated)
 STEPS = 16
 
@@ -94,7 +94,8 @@ def _simulated():
     model, twin = Net(), Net()
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = ZenFlowAdamW(model.parameters(), **hp, topk_ratio=0.25, update_interval=3, select_interval=6,
-                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True)
+                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True,
+                       overlap_steps=None)
     sims = {p: Simulation(p.detach(), r=0.25, interval=3, select=6, warmup=2, overlap=True) for p in offloaded(model)}
     return model, twin, hp, opt, sims
 

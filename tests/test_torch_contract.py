@@ -113,7 +113,8 @@ def make_zen(
 ) -> ZenFlowAdamW:
     """ZenFlowAdamW, by default in its AdamW-equivalent mode (every column on the device, one-step windows)."""
     opt = cls(params, lr=lr, betas=betas, weight_decay=weight_decay, topk_ratio=topk_ratio,
-              update_interval=update_interval, overlap=overlap, min_offload_numel=min_offload_numel, backend=backend)
+              update_interval=update_interval, overlap=overlap, min_offload_numel=min_offload_numel, backend=backend,
+              warmup_steps=0)
     _opened.append(opt)
     return opt
 
