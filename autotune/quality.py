@@ -6,9 +6,10 @@ the task; the speed side of the choice cannot see it. This module holds a *quali
 ZenFlowAdamW over AdamW's at equal steps, measured over a grid of ``(r, U)`` for several seeds, and predicts the
 ratio between grid points.
 
-**The shipped table** (``quality_charlm.json`` next to this file) is one task: the demo's fine-tune of a 0.21M
-parameter byte-level transformer, 200 steps, ``overlap=True``, ``select_interval = 8 U``, 5 batch seeds; its
-``command`` field regenerates it (``bench/quality_table.py``, 10 minutes on one shared core). A larger model, a longer
+**The shipped table** (``quality_charlm.json`` next to this file) is the demo's fine-tune, with the same model
+trained from scratch as its ``scratch`` regime (below): a 0.14M parameter byte-level transformer, 200 steps,
+``overlap=True``, ``select_interval = 8 U``, no warm-up, 5 batch seeds (2 from scratch); its ``command`` field
+regenerates it (``bench/quality_table.py``, 10 minutes on one shared core). A larger model, a longer
 run or another task may degrade more or less: treat the table as a measured prior, not a guarantee, and measure
 your own task when the budget matters (same format, ``--quality-table PATH`` on the command line,
 ``quality=`` in :func:`~zenflow_triton.autotune.plan` and ``plan_for_optimizer``).
