@@ -262,7 +262,8 @@ def test_json_table_and_stats_tell_one_story(saved_profile, capsys):
     assert code == cli.EXIT_OK, err
     (from_json,) = json.loads(out)["plans"]
     # stats() gets the same plan's fields through Knobs.report, under the same names.
-    _, plan = cli._plans(load_profile(saved_profile), cli.build_parser().parse_args(argv), default_quality_table())[0]
+    _, plan = cli._plans(load_profile(saved_profile), cli.build_parser().parse_args(argv),
+                         default_quality_table().for_regime("worst"))[0]
     knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto"))
     knobs.plan = plan
     reported = knobs.report(stats(windows=10, stall_s=0.5))
