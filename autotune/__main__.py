@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"loss ratios vs AdamW measured on your task (JSON; format: "
                                  f"zenflow_triton.autotune.quality; default ${QUALITY_ENV_VAR}, else the shipped "
                                  "table of the demo's fine-tune)")
+    plan_group.add_argument("--quality-regime", choices=["worst", "finetune", "scratch"], default="worst",
+                            help="which of the table's regimes predicts the loss (default: the worse of the fine-tune "
+                                 "and from scratch at each point; a table without regimes answers for all)")
     plan_group.add_argument("--target-stall", type=_fraction, default=Targets().stall_fraction, metavar="F",
                             help="stall, as a fraction of the step time, up to which host work counts as hidden "
                                  "(default %(default)s)")
@@ -278,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_MISSING_DEPENDENCY
 
     try:
-        quality = quality_table_for(args.quality_table)
+        quality = quality_table_for(args.quality_table).for_regime(args.quality_regime)
     except QualityTableError as exc:
         _err(str(exc))
         return EXIT_BAD_QUALITY_TABLE

@@ -132,6 +132,7 @@ def plan_for_optimizer(
     accumulate: str = "device",
     host_lr_scale: float | None = None,
     overlap_steps: int | None = None,
+    quality_regime: str = "worst",
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
 
@@ -146,7 +147,8 @@ def plan_for_optimizer(
     ``$ZENFLOW_TRITON_QUALITY_TABLE``, else the shipped table). ``host_lr_scale``: the user's, or None to choose
     (from the quality table's measured entries, DESIGN §8). ``accumulate``: where the optimizer placed the window
     sums ("device" or "host"), which it decides before it plans: the prediction and the memory budget follow.
-    ``overlap_steps``: the user's (None: U), the steps each host job has to hide in.
+    ``overlap_steps``: the user's (None: U), the steps each host job has to hide in. ``quality_regime``: which of the
+    table's regimes predicts the loss (:meth:`~.quality.QualityTable.for_regime`: "worst" of fine-tune and scratch).
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
@@ -182,7 +184,7 @@ def plan_for_optimizer(
     if targets is None:
         targets = Targets(select_windows=DEFAULT_SELECT_WINDOWS)
     targets = dataclasses.replace(targets, max_loss_ratio=max_loss_ratio)
-    table = quality if isinstance(quality, QualityTable) else quality_table_for(quality)
+    table = (quality if isinstance(quality, QualityTable) else quality_table_for(quality)).for_regime(quality_regime)
     result = plan(profile, workload, topk_ratio=topk_ratio, update_interval=update_interval,
                   cpu_threads=cpu_threads, select_interval=select_interval, overlap=overlap, targets=targets,
                   quality=table, profile_source=source, host_lr_scale=host_lr_scale, accumulate=accumulate,

@@ -263,8 +263,8 @@ def plan(
         lines.append(scale_line)
     if k_line:
         lines.append(k_line)
-    lines.append(f"loss ratios: {table.source or 'quality table'}, one task on a small model: a prior, "
-                 "not a guarantee (pass your own table; from scratch loses more: docs/quality.md)")
+    lines.append(f"loss ratios: {table.source or 'quality table'}, measured on a small model: a prior, not a "
+                 "guarantee (pass your own table, or quality_regime='finetune' / 'scratch': docs/quality.md)")
     if workload.device == "cpu":
         lines.append("CPU tensors: the training compute and the host worker share cores, which the model ignores")
     if profile.quick:

@@ -6,9 +6,10 @@ the task; the speed side of the choice cannot see it. This module holds a *quali
 ZenFlowAdamW over AdamW's at equal steps, measured over a grid of ``(r, U)`` for several seeds, and predicts the
 ratio between grid points.
 
-**The shipped table** (``quality_charlm.json`` next to this file) is one task: the demo's fine-tune of a 0.21M
-parameter byte-level transformer, 200 steps, ``overlap=True``, ``select_interval = 8 U``, 5 batch seeds; its
-``command`` field regenerates it (``bench/quality_table.py``, 10 minutes on one shared core). A larger model, a longer
+**The shipped table** (``quality_charlm.json`` next to this file) is the demo's fine-tune, with the same model
+trained from scratch as its ``scratch`` regime (below): a 0.14M parameter byte-level transformer, 200 steps,
+``overlap=True``, ``select_interval = 8 U``, no warm-up, 5 batch seeds (2 from scratch); its ``command`` field
+regenerates it (``bench/quality_table.py``, 10 minutes on one shared core). A larger model, a longer
 run or another task may degrade more or less: treat the table as a measured prior, not a guarantee, and measure
 your own task when the budget matters (same format, ``--quality-table PATH`` on the command line,
 ``quality=`` in :func:`~zenflow_triton.autotune.plan` and ``plan_for_optimizer``).
@@ -33,6 +34,13 @@ lower best loss on every task, stayed stable and, where ``equal_lr_worst`` is gi
 equal lr (the tuner does not choose the lr: a scale that only pays off after the user retunes it is no gain), and
 1.0 (Adam's step) everywhere else.
 
+**Regimes** (optional ``regimes``: ``{"scratch": {...}}``, each a table of the same format without ``regimes``):
+the top level is the fine-tune; ``regimes.scratch`` the same grid measured from a fresh initialisation
+(``bench/quality_table.py --regime scratch``). :meth:`QualityTable.for_regime` picks what the tuner plans with
+(``quality_regime`` of the optimizer, ``--quality-regime`` of the CLI): ``"finetune"``, ``"scratch"``, or
+``"worst"`` (the default), which predicts the higher ratio of the two at each ``(r, U)``. A table without regimes
+(the user's own task) answers itself for every regime.
+
 The table has no entries for ``warmup_steps`` or ``select_interval``: ``bench/quality_fair.py`` measured both at
 0.1 / 4 (``bench/results/quality-fair-2026-12-02.md``): a warm-up of 50-100 steps helps the 200-step tasks at lrs up
 to AdamW's best but not the 1000-step run, and hurts above that lr; ``select_interval`` 8 is inside the seed spread.
@@ -42,6 +50,7 @@ Neither is a gain at every equal lr, and the tuner plans at the end of the warm-
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import json
 import math
@@ -150,6 +159,10 @@ class QualityTable:
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
     host_scales: tuple[HostScaleEntry, ...] = ()
     """Measured ``host_lr_scale`` entries (module docstring); empty: the table knows only Adam's step."""
+    regimes: dict[str, QualityTable] = field(default_factory=dict, compare=False)
+    """Other training regimes measured on the same grid (``"scratch"``); the top level is the fine-tune."""
+    worse: QualityTable | None = field(default=None, compare=False)
+    """Set by ``for_regime("worst")``: predictions are the higher of this table's and ``worse``'s."""
 
     def __post_init__(self) -> None:
         if any(not 0 < r < 1 for r in self.topk_ratios):
@@ -193,10 +206,16 @@ class QualityTable:
             scales = doc.get("host_lr_scale", [])
             if not isinstance(scales, list):
                 raise QualityTableError("host_lr_scale must be a list of entries")
+            regimes = doc.get("regimes", {})
+            if not isinstance(regimes, dict) or set(regimes) - {"scratch"}:
+                raise QualityTableError(f"regimes must be an object with at most 'scratch': {list(regimes)}")
+            if any(not isinstance(r, dict) or "regimes" in r for r in regimes.values()):
+                raise QualityTableError("a regime is a table of its own, without regimes")
             return cls(topk_ratios=rs, update_intervals=us, ratios=ratios, task=str(doc.get("task", "")),
                        command=str(doc.get("command", "")), seeds=seeds, source=source,
                        measured=dict(doc.get("measured", {})),
-                       host_scales=tuple(HostScaleEntry.from_dict(e) for e in scales))
+                       host_scales=tuple(HostScaleEntry.from_dict(e) for e in scales),
+                       regimes={k: cls.from_dict(r, source=f"{where}, regime {k}") for k, r in regimes.items()})
         except QualityTableError as exc:
             raise QualityTableError(f"{where}: {exc}") from None
         except (TypeError, ValueError) as exc:  # ragged lists, strings where numbers belong, zip(strict=True)
@@ -206,7 +225,19 @@ class QualityTable:
         return {"schema": SCHEMA_VERSION, "task": self.task, "command": self.command,
                 "topk_ratios": list(self.topk_ratios), "update_intervals": list(self.update_intervals),
                 "seeds": list(self.seeds), "ratio": [[list(c) for c in row] for row in self.ratios],
-                "measured": self.measured, "host_lr_scale": [e.to_dict() for e in self.host_scales]}
+                "measured": self.measured, "host_lr_scale": [e.to_dict() for e in self.host_scales],
+                **({"regimes": {k: t.to_dict() for k, t in self.regimes.items()}} if self.regimes else {})}
+
+    def for_regime(self, regime: str) -> QualityTable:
+        """The table the tuner plans with for ``regime`` ("finetune", "scratch" or "worst"; module docstring)."""
+        if regime not in ("finetune", "scratch", "worst"):
+            raise ValueError(f"Invalid quality regime: {regime!r} (one of 'worst', 'finetune', 'scratch')")
+        scratch = self.regimes.get("scratch")
+        if scratch is None or regime == "finetune":
+            return self
+        if regime == "scratch":
+            return dataclasses.replace(scratch, host_scales=self.host_scales, source=f"{self.source}, regime scratch")
+        return dataclasses.replace(self, worse=scratch, source=f"{self.source}, the worse of finetune and scratch")
 
     # ------------------------------------------------------------------ the model
 
@@ -223,7 +254,8 @@ class QualityTable:
         if topk_ratio >= 1.0:
             return True
         return (self.topk_ratios[0] * (1 - 1e-9) <= topk_ratio
-                and self.update_intervals[0] <= update_interval <= self.update_intervals[-1])
+                and self.update_intervals[0] <= update_interval <= self.update_intervals[-1]
+                and (self.worse is None or self.worse.covers(topk_ratio, update_interval)))
 
     def _interpolate(self, topk_ratio: float, update_interval: int, value) -> float | None:
         if not self.covers(topk_ratio, update_interval):
@@ -249,14 +281,24 @@ class QualityTable:
                 + a * ((1 - b) * at(i1, j0) + b * at(i1, j1)))
 
     def predict(self, topk_ratio: float, update_interval: int) -> float | None:
-        """Predicted loss ratio vs AdamW (mean over seeds, interpolated); None outside the measured range."""
-        return self._interpolate(topk_ratio, update_interval, self.mean)
+        """Predicted loss ratio vs AdamW (mean over seeds, interpolated); None outside the measured range (of both
+        tables, with ``worse``)."""
+        mine = self._interpolate(topk_ratio, update_interval, self.mean)
+        if self.worse is None or mine is None:
+            return mine
+        other = self.worse.predict(topk_ratio, update_interval)
+        return None if other is None else max(mine, other)
 
     def predict_spread(self, topk_ratio: float, update_interval: int) -> tuple[float, float] | None:
         """(min, max) over seeds, interpolated like :meth:`predict`; None outside the measured range."""
         lo = self._interpolate(topk_ratio, update_interval, lambda i, j: self.spread(i, j)[0])
         hi = self._interpolate(topk_ratio, update_interval, lambda i, j: self.spread(i, j)[1])
-        return None if lo is None or hi is None else (lo, hi)
+        if lo is None or hi is None:
+            return None
+        if self.worse is not None:
+            other = self.worse.predict_spread(topk_ratio, update_interval)
+            return None if other is None else (max(lo, other[0]), max(hi, other[1]))
+        return lo, hi
 
     def host_lr_scale(self, topk_ratio: float, update_interval: int, overlap: bool) -> HostScaleEntry | None:
         """The measured scale that helps most at exactly this ``(r, U, overlap)`` (lowest worst-task ratio among

@@ -72,6 +72,7 @@ def run(name: str, cfg: CharLMConfig, state: dict, seed: int) -> dict:
     else:
         knobs = ({"topk_ratio": "auto", "update_interval": "auto"} if name == "auto"
                  else {"topk_ratio": 0.1, "update_interval": 4})
+        knobs["warmup_steps"] = 0  # no warm-up: the steady state, the same steps for every optimizer
         opt = ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **knobs)
     timed = Timed(opt)
     try:

@@ -26,7 +26,7 @@ def test_smoke_run_writes_json_markdown_and_table_entries(tmp_path: Path) -> Non
     names = [c["name"] for c in doc["configs"]]
     assert names == ["AdamW", "ZenFlow overlap s=1", "ZenFlow overlap s=2", "ZenFlow sequential s=1",
                      "ZenFlow sequential s=2"]
-    assert [t["name"] for t in doc["tasks"]] == ["finetune", "scratch", "long"]
+    assert [t["name"] for t in doc["tasks"]] == ["finetune", "scratch", "long", "arith", "shift"]
     for task in doc["tasks"]:
         for name in names:
             for lr in task["lrs"]:
@@ -49,7 +49,8 @@ def test_smoke_run_writes_json_markdown_and_table_entries(tmp_path: Path) -> Non
     assert quality_fair.main(["--report", str(out.with_suffix(".json")), "--table", str(table)]) == 0
     entries = load_quality_table(table).host_scales
     assert [(e.overlap, e.host_lr_scale, e.tasks) for e in entries] == [
-        (True, 2.0, ("finetune", "scratch", "long")), (False, 2.0, ("finetune", "scratch", "long"))]
+        (True, 2.0, ("finetune", "scratch", "long", "arith", "shift")),
+        (False, 2.0, ("finetune", "scratch", "long", "arith", "shift"))]
     rows = summary["scratch"]["configs"]
     assert entries[0].ratio[1] == pytest.approx(rows["ZenFlow overlap s=2"]["best_loss"]
                                                 / rows["ZenFlow overlap s=1"]["best_loss"], abs=1e-4)
@@ -175,7 +176,7 @@ def test_zenflow_overlap_with_one_step_host_windows_is_late_adamw() -> None:
     model, twin = _late_model(), _late_model()
     late = LateAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     zen = ZenFlowAdamW(twin.parameters(), lr=1e-2, weight_decay=0.01, topk_ratio=0.0, update_interval=1,
-                       overlap=True, cpu_threads=1)
+                       overlap=True, cpu_threads=1, warmup_steps=0)
     try:
         for step in range(1, 9):
             for m, o in ((model, late), (twin, zen)):
@@ -233,3 +234,36 @@ def test_smoke_run_with_overlap_steps(tmp_path: Path) -> None:
     runs = doc["runs"]["scratch"]
     assert runs["ZenFlow overlap s=1 K=1"]["0.001"]["1"]["loss"] != runs["ZenFlow overlap s=1"]["0.001"]["1"]["loss"]
     assert quality_fair.host_scale_entries(doc, quality_fair.summarize(doc)) == []
+
+
+def test_arith_corpus_is_correct_arithmetic_and_fixed() -> None:
+    data = quality_fair.arith_corpus(20_000)
+    assert len(data) == 20_000 and torch.equal(data, quality_fair.arith_corpus(20_000))
+    lines = bytes(data.tolist()).decode().split("\n")[:-1]  # the last one is cut at the size
+    for line in lines:
+        lhs, rhs = line.split("=")
+        assert eval(lhs) == int(rhs)  # noqa: S307 (digits and one of + - *)
+    assert {line[len(line.split("=")[0].rstrip("0123456789")) - 1] for line in lines} == {"+", "-", "*"}
+
+
+def test_the_defaults_line_per_task_and_merge(tmp_path: Path) -> None:
+    knobs = ["--scales", "1", "--warmups", "0", "100", "--overlaps", "on", "--overlap-steps", "1"]
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    assert quality_fair.main(["--smoke", "--out", str(a), *knobs, "--tasks", "scratch"]) == 0
+    assert quality_fair.main(["--smoke", "--out", str(b), *knobs, "--tasks", "arith", "shift"]) == 0
+    assert quality_fair.main(["--merge", str(a.with_suffix(".json")), str(b.with_suffix(".json")),
+                              "--out", str(m)]) == 0
+    doc = json.loads(m.with_suffix(".json").read_text())
+    assert [t["name"] for t in doc["tasks"]] == ["scratch", "arith", "shift"]
+    assert [c["name"] for c in doc["configs"] if quality_fair.is_defaults(doc, c)] == [
+        "ZenFlow overlap s=1 warm=100 K=1"]
+    summary = quality_fair.summarize(doc)
+    lines = quality_fair.defaults_lines(doc, summary)
+    assert [x.split(":")[0] for x in lines] == ["- scratch", "- arith", "- shift"]
+    row = summary["arith"]["configs"]["ZenFlow overlap s=1 warm=100 K=1"]
+    assert f"{row['best_to_best']:.3f}" in lines[1]
+    md = m.with_suffix(".md").read_text()
+    assert "## The defaults" in md and lines[2] in md and "joined with --merge" in md
+    one = json.loads(a.with_suffix(".json").read_text())
+    with pytest.raises(ValueError, match="in both"):
+        quality_fair.merge([one, one])

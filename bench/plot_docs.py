@@ -41,17 +41,19 @@ MACHINES = [("24 GB GPU / 64 GB host", 24e9, 64e9), ("80 GB / 256 GB", 80e9, 256
             ("141 GB / 128 GiB (one H200)", 141e9, 128 * 2**30)]
 GPU_USABLE, HOST_USABLE = 0.8, 0.9
 
-# The curves drawn per task: AdamW, ZenFlowAdamW's defaults, and the tuned settings (README's "train closest to
-# AdamW": warmup_steps=100, overlap_steps=1), as quality_fair.py names them.
-CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1": "ZenFlowAdamW defaults",
-          "ZenFlow overlap s=1 warm=100 K=1": "warmup_steps=100, overlap_steps=1"}
+# The curves drawn per task: AdamW, ZenFlowAdamW's defaults on CPU tensors (warmup_steps=100, overlap_steps="auto"
+# = 1), and the selection from step 1 merged at the next window end (warmup_steps=0, overlap_steps=None), as
+# quality_fair.py names them.
+CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1 warm=100 K=1": "ZenFlowAdamW defaults",
+          "ZenFlow overlap s=1": "warmup_steps=0, overlap_steps=None"}
 # report_memory's optimizer names as the docs' tables show them, so a table pastes from the record unchanged.
 DISPLAY = {"torch AdamW": "`torch.optim.AdamW`", "ZenFlow device": 'ZenFlowAdamW `accumulate="device"`',
            "ZenFlow host": 'ZenFlowAdamW `accumulate="host"`',
            "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`'}
 # Column and panel titles of the tasks (others: "NAME, STEPS steps").
 TASK_TITLES = {"finetune": "fine-tune, 200 steps", "scratch": "from scratch, 200 steps",
-               "long": "from scratch, 1000 steps"}
+               "long": "from scratch, 1000 steps", "arith": "arithmetic from scratch, 300 steps",
+               "shift": "domain shift, 200 steps"}
 
 
 def _revision() -> str:
@@ -214,17 +216,19 @@ def plot_quality(doc: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def _config_label(c: dict) -> str:
-    """A quality_fair.py configuration as the docs name it: the knobs that differ from the defaults."""
+def _config_label(doc: dict, c: dict) -> str:
+    """A quality_fair.py configuration as the docs name it: its knobs as the run passed them."""
+    from quality_fair import is_defaults
+
     if c.get("late"):
         return "AdamW one update late (`--late`: overlap's delay alone)"
     if c.get("overlap") is None:
         return "AdamW"
     parts = [f"ZenFlow {'overlap' if c['overlap'] else 'sequential'}, s = {c['host_lr_scale']:g}"]
-    if c["overlap"] and c["host_lr_scale"] == 1.0 and not any(c.get(k) for k in ("warmup_steps", "select_interval",
-                                                                                  "overlap_steps")):
+    if is_defaults(doc, c):
         parts[0] += " (default)"
-    parts += [f"`{k}={c[k]}`" for k in ("warmup_steps", "select_interval", "overlap_steps") if c.get(k)]
+    parts += [f"`{k}={c[k]}`" for k in ("warmup_steps", "select_interval", "overlap_steps", "topk_ratio")
+              if c.get(k)]
     return ", ".join(parts)
 
 
@@ -249,7 +253,7 @@ def quality_table(doc: dict) -> str:
                 lo, hi = row["best_to_best_seeds"]
                 lr = f"{row['best_lr']:.0e}".replace("e-0", "e-") + ("*" if row["best_at_grid_edge"] else "")
                 cells.append(f"{row['best_to_best']:.3f} ({lo:.3f}-{hi:.3f}), {lr}")
-        lines.append(f"| {_config_label(c)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_config_label(doc, c)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

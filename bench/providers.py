@@ -249,6 +249,7 @@ def optimizer_providers(
 
     def zen(**kw: Any) -> Callable[[Sequence[torch.Tensor]], Any]:
         kw.setdefault("cpu_threads", cpu_threads)
+        kw.setdefault("warmup_steps", 0)  # the steady state is what is timed (the default warm-up is 100 steps)
         kw = {**(zenflow_kwargs or {}), **kw}
         return lambda params: ZenFlowAdamW(params, **HP, **kw)
 
@@ -290,6 +291,9 @@ def steps_before_selection(opt: Any) -> int:
     to measure the step time. The step after them resolves ``"auto"`` and fixes U and S."""
     from zenflow_triton.auto import AUTO_WARMUP_STEPS
 
+    knobs = getattr(opt, "_knobs", None)  # overlap_steps="auto" alone plans nothing on CPU tensors (auto.Knobs)
+    if knobs is not None:
+        return knobs.warmup
     cfg = opt.config
     return max(cfg.warmup_steps, AUTO_WARMUP_STEPS) if cfg.is_auto else cfg.warmup_steps
 

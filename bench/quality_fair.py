@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -64,7 +65,17 @@ from late_adamw import LateAdamW
 
 from zenflow_triton import ZenFlowAdamW
 from zenflow_triton.autotune.quality import QualityTable
-from zenflow_triton.demo.charlm import CharLMConfig, evaluate, load_corpora, make_model, pretrained_state, train
+from zenflow_triton.config import ZenFlowConfig
+from zenflow_triton.demo.charlm import (
+    CharLMConfig,
+    encode,
+    evaluate,
+    load_corpora,
+    make_model,
+    pretrain,
+    pretrained_state,
+    train,
+)
 
 __all__ = ["Task", "Config", "tasks", "configs", "measure", "add_runs", "summarize", "render", "spike", "main"]
 
@@ -83,6 +94,8 @@ class Task:
     corpus: str  # "pydoc" or "stdlib"
     schedule: bool  # warm-up 5% + cosine to 0.1x
     lrs: tuple[float, ...]
+    clip: float = 0.0  # > 0: clip the gradients' total norm to this before every step (both optimizers)
+    pretrain_corpus: str = "stdlib"  # what pretrain_steps train on (AdamW, charlm.pretrain's schedule)
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class Config:
     select_interval: int | None = None  # None: 8 U (the default)
     late: bool = False  # torch AdamW with the offloadable matrices one update late (bench/late_adamw.py)
     overlap_steps: int | None = None  # None: U (the default)
+    topk_ratio: float | None = None  # None: the run's --topk-ratio
 
     @property
     def is_adamw(self) -> bool:
@@ -102,32 +116,74 @@ class Config:
 
 
 def tasks(*, smoke: bool = False, lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3),
-          long_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3), long_steps: int = 1000) -> list[Task]:
+          long_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3), long_steps: int = 1000,
+          arith_lrs: Sequence[float] = (1e-3, 2e-3, 4e-3, 8e-3),
+          shift_lrs: Sequence[float] = (5e-4, 1e-3, 2e-3, 4e-3)) -> list[Task]:
     if smoke:
         return [Task("finetune", "smoke fine-tune", 8, 8, "pydoc", False, tuple(lrs[:2])),
                 Task("scratch", "smoke from scratch", 8, 0, "pydoc", False, tuple(lrs[:2])),
-                Task("long", "smoke long run", 24, 0, "stdlib", True, tuple(long_lrs[:2]))]
+                Task("long", "smoke long run", 24, 0, "stdlib", True, tuple(long_lrs[:2])),
+                Task("arith", "smoke arithmetic", 12, 0, "arith", True, tuple(arith_lrs[:2]), clip=1.0),
+                Task("shift", "smoke shift", 8, 8, "stdlib", True, tuple(shift_lrs[:2]), clip=1.0,
+                     pretrain_corpus="pydoc")]
     return [
         Task("finetune", "demo fine-tune: pretrained 800 steps on stdlib source, 200 steps on pydoc topics", 200, 800,
              "pydoc", False, tuple(lrs)),
         Task("scratch", "from scratch: 200 steps on pydoc topics", 200, 0, "pydoc", False, tuple(lrs)),
         Task("long", f"long run from scratch: {long_steps} steps on stdlib source (90/10 split), warm-up 5% + cosine "
              "to 0.1x", long_steps, 0, "stdlib", True, tuple(long_lrs)),
+        Task("arith", "from scratch on generated arithmetic strings (`123+45=168`, 90/10 split), 300 steps, warm-up 5% "
+             "+ cosine to 0.1x, gradient norm clipped to 1.0", 300, 0, "arith", True, tuple(arith_lrs), clip=1.0),
+        Task("shift", "domain shift: pretrained 800 steps on pydoc topics (English), 200 steps on stdlib source "
+             "(code), warm-up 5% + cosine to 0.1x, gradient norm clipped to 1.0", 200, 800, "stdlib", True,
+             tuple(shift_lrs), clip=1.0, pretrain_corpus="pydoc"),
     ]
+
+
+def arith_corpus(n_bytes: int = 200_000, seed: int = 0) -> torch.Tensor:
+    """Generated arithmetic lines (``a+b=c``, ``a-b=c``, ``a*b=c``; operands up to 4 digits, products of up to 2),
+    ``n_bytes`` of them as a byte tensor: the algorithmic text a newcomer trains on first."""
+    rng = random.Random(seed)
+    lines, size = [], 0
+    while size < n_bytes:
+        op = rng.choice("+-*")
+        hi = 99 if op == "*" else 9999
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        line = f"{a}{op}{b}={a + b if op == '+' else a - b if op == '-' else a * b}\n"
+        lines.append(line)
+        size += len(line)
+    return encode("".join(lines)[:n_bytes])
+
+
+class _Clipped:
+    """``opt`` whose ``step()`` first clips the model's gradient norm to ``clip`` (torch.nn.utils.clip_grad_norm_),
+    as a training loop does before its optimizer step."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: list[torch.Tensor], clip: float) -> None:
+        self.opt, self.params, self.clip = opt, params, clip
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
 
 
 def configs(scales: Sequence[float], warmups: Sequence[int] = (0,),
             select_intervals: Sequence[int | None] = (None,), overlaps: Sequence[bool] = (True, False),
-            late: bool = False, overlap_steps: Sequence[int | None] = (None,)) -> list[Config]:
+            late: bool = False, overlap_steps: Sequence[int | None] = (None,),
+            topk_ratios: Sequence[float | None] = (None,)) -> list[Config]:
     """AdamW (and with ``late`` AdamW one update late), then ZenFlow at every overlap x scale x warm-up x
     select_interval x overlap_steps (overlap only); a knob at its default is left out of the name (so names match
     older results)."""
     out = [Config("AdamW")] + ([Config(LATE, late=True)] if late else [])
-    for overlap, s, w, sel in itertools.product(overlaps, scales, warmups, select_intervals):
+    for overlap, s, w, sel, r in itertools.product(overlaps, scales, warmups, select_intervals, topk_ratios):
         for k in overlap_steps if overlap else (None,):
             name = (f"ZenFlow {'overlap' if overlap else 'sequential'} s={s:g}" + (f" warm={w}" if w else "")
-                    + (f" S={sel}" if sel else "") + (f" K={k}" if k else ""))
-            out.append(Config(name, overlap, float(s), int(w), sel or None, overlap_steps=k or None))
+                    + (f" S={sel}" if sel else "") + (f" K={k}" if k else "") + (f" r={r:g}" if r else ""))
+            out.append(Config(name, overlap, float(s), int(w), sel or None, overlap_steps=k or None,
+                              topk_ratio=r or None))
     return out
 
 
@@ -172,13 +228,15 @@ def _run(task: Task, config: Config, *, lr: float, seed: int, start: dict[str, t
     elif config.late:
         opt = LateAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     else:
-        opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
+        opt = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY,
+                           topk_ratio=config.topk_ratio or topk_ratio,
                            update_interval=update_interval, overlap=config.overlap, cpu_threads=1,
                            host_lr_scale=config.host_lr_scale, warmup_steps=config.warmup_steps,
                            select_interval=config.select_interval, overlap_steps=config.overlap_steps)
     try:
         sched = _schedule(opt, task.steps) if task.schedule else None
-        losses = train(model, opt, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
+        stepper: Any = _Clipped(opt, list(model.parameters()), task.clip) if task.clip > 0 else opt
+        losses = train(model, stepper, data[0], steps=task.steps, batch=BATCH, seed=seed, scheduler=sched)
         if isinstance(opt, (ZenFlowAdamW, LateAdamW)):
             opt.flush()  # overlap=True: the last window's host result reaches the model one window late
         return evaluate(model, data[1]), losses
@@ -219,6 +277,8 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
     cut = int(len(corpora.pretrain) * 0.9)
     data = {"pydoc": (corpora.finetune_train, corpora.finetune_val),
             "stdlib": (corpora.pretrain[:cut], corpora.pretrain[cut:])}
+    arith = arith_corpus()
+    data["arith"] = (arith[:int(len(arith) * 0.9)], arith[int(len(arith) * 0.9):])
     doc: dict[str, Any] = {
         "what": "held-out loss after flush(), per task, optimizer, lr and batch seed (bench/quality_fair.py)",
         "command": command,
@@ -242,7 +302,7 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
                 if skip is None or not skip(task.name, config.name, lr, seed)]
         if not todo:
             continue
-        start = pretrained_state(cfg, steps=task.pretrain_steps) if task.pretrain_steps else None
+        start = _pretrained(cfg, task, corpora.finetune_train)
         for seed in seeds[task.name]:
             if not any(s == seed for s, _, _ in todo):
                 continue
@@ -265,6 +325,17 @@ def measure(*, task_list: Sequence[Task], config_list: Sequence[Config], seeds: 
             if save is not None:
                 save(doc)
     return doc
+
+
+def _pretrained(cfg: CharLMConfig, task: Task, pydoc: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The task's starting weights: None from scratch, else pretrained with AdamW on its pretrain corpus."""
+    if not task.pretrain_steps:
+        return None
+    if task.pretrain_corpus == "stdlib":
+        return pretrained_state(cfg, steps=task.pretrain_steps)
+    model = make_model(cfg, seed=0)
+    pretrain(model, pydoc, steps=task.pretrain_steps, seed=0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------- summary
@@ -383,6 +454,32 @@ def _dates(doc: dict) -> str:
     return first if last in (None, first) else f"{first} to {last}"
 
 
+def is_defaults(doc: dict, c: dict) -> bool:
+    """Whether configuration ``c`` of ``doc`` is ``ZenFlowAdamW(params, lr=...)``'s defaults on CPU tensors (where
+    ``overlap_steps="auto"`` is 1)."""
+    cfg = ZenFlowConfig()
+    cpu = cfg.without_planning("cpu")
+    u = doc["update_interval"]
+    return (c.get("overlap") is cfg.overlap and not c.get("late") and c["host_lr_scale"] == cfg.host_lr_scale
+            and (c.get("topk_ratio") or doc["topk_ratio"]) == cfg.topk_ratio and u == cfg.update_interval
+            and c.get("warmup_steps", 0) == cfg.warmup_steps and (c.get("overlap_steps") or u) == cpu.overlap_steps
+            and (c.get("select_interval") or 8 * u) == cfg.resolved_select_interval())
+
+
+def defaults_lines(doc: dict, summary: dict) -> list[str]:
+    """One line per task: the defaults' best mean loss over AdamW's best, each at its best lr of the grid."""
+    name = next((c["name"] for c in doc["configs"] if is_defaults(doc, c)), None)
+    out = []
+    for t in (t["name"] for t in doc["tasks"]):
+        row = summary.get(t, {}).get("configs", {}).get(name or "")
+        if row is None:
+            continue
+        lo, hi = row["best_to_best_seeds"]
+        out.append(f"- {t}: {row['best_to_best']:.3f} ({lo:.3f}-{hi:.3f} over seeds), lr {row['best_lr']:g} vs "
+                   f"AdamW's {summary[t]['adamw_best_lr']:g}")
+    return out
+
+
 def render(doc: dict, summary: dict) -> str:
     m = doc["measured"]
     loads = m.get("load_average", [])
@@ -397,7 +494,9 @@ def render(doc: dict, summary: dict) -> str:
         *(f"- added {', '.join(a['configs']) or 'runs'}{_added_where(a)}: {a.get('date')}, revision "
           f"{a.get('revision')}, wall "
           f"{a.get('wall_s') or 0:.0f} s, load average {min(a.get('load_average') or [0]):.1f}-"
-          f"{max(a.get('load_average') or [0]):.1f}; AdamW's runs reused (a rerun reproduced them exactly)"
+          f"{max(a.get('load_average') or [0]):.1f}; "
+          + ("AdamW's runs reused (a rerun reproduced them exactly)" if a.get("adamw_rerun_equal", True)
+             else "a run of its own, at the same time, joined with --merge")
           for a in m.get("added", [])),
         f"- ZenFlow: topk_ratio {doc['topk_ratio']:g}, update_interval {doc['update_interval']}, select_interval "
         f"{doc['select_interval']} (in a name, S=N: select_interval N; warm=N: warmup_steps N); batch {doc['batch']}, "
@@ -409,6 +508,11 @@ def render(doc: dict, summary: dict) -> str:
         "the grid.",
         "",
     ]
+    ours = defaults_lines(doc, summary)
+    if ours:
+        lines += ["## The defaults: best loss over AdamW's best, each at its best lr", "",
+                  f"`{next(c['name'] for c in doc['configs'] if is_defaults(doc, c))}` is `ZenFlowAdamW(params, "
+                  "lr=...)` on CPU tensors (`overlap_steps=\"auto\"` is 1 there)", "", *ours, ""]
     for task in doc["tasks"]:
         t = task["name"]
         if t not in summary:
@@ -434,14 +538,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write OUT.json (after every task and seed) and OUT.md")
     parser.add_argument("--report", type=Path, help="only rebuild the Markdown from this JSON (to stdout)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="join runs on different tasks (same configurations, e.g. run in parallel) into --out")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--long-seeds", type=int, default=2, help="seeds of the long task (the first N of --seeds)")
     parser.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0], help="host_lr_scale values")
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--long-steps", type=int, default=1000)
-    parser.add_argument("--tasks", nargs="+", choices=["finetune", "scratch", "long"],
-                        help="default: all three (with --add-to: its tasks)")
+    parser.add_argument("--arith-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3])
+    parser.add_argument("--shift-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
+    parser.add_argument("--tasks", nargs="+", choices=["finetune", "scratch", "long", "arith", "shift"],
+                        help="default: all five (with --add-to: its tasks)")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (also ZENFLOW_BENCH_SMOKE=1)")
@@ -454,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlaps", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--overlap-steps", type=int, nargs="+", default=[0],
                         help="overlap_steps values for the overlap configurations (0: the default, U; in a name K=N)")
+    parser.add_argument("--topk-ratios", type=float, nargs="+", default=[0],
+                        help="per-configuration topk_ratio values (0: --topk-ratio; in a name r=X)")
     parser.add_argument("--late", action="store_true",
                         help=f"also run '{LATE}': torch AdamW whose offloadable matrices hold the master of one update "
                              "before (bench/late_adamw.py), the staleness of overlap=True alone")
@@ -476,9 +586,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required unless --report is given")
+    if args.merge:
+        doc = merge([json.loads(p.read_text()) for p in args.merge])
+        args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(render(doc, summarize(doc)) + "\n")
+        print(render(doc, summarize(doc)))
+        return 0
     torch.set_num_threads(1)
     smoke = args.smoke or SMOKE
-    task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps)
+    task_list = [t for t in tasks(smoke=smoke, lrs=args.lrs, long_lrs=args.long_lrs, long_steps=args.long_steps,
+                                  arith_lrs=args.arith_lrs, shift_lrs=args.shift_lrs)
                  if args.tasks is None or t.name in args.tasks]
     seeds = args.seeds[:1] if smoke else args.seeds
     command = "nice -n 10 python bench/quality_fair.py " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -489,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         md_path.write_text(render(doc, summarize(doc)) + "\n")
 
     wanted = configs(args.scales, args.warmups, args.select_intervals, [x == "on" for x in args.overlaps], args.late,
-                     args.overlap_steps)
+                     args.overlap_steps, args.topk_ratios)
     if args.add_to is not None:
         doc = add_runs(json.loads(args.add_to.read_text()), wanted, command=command, task_names=args.tasks,
                        add_lrs=args.add_lrs, at_lrs=args.at_lrs, adamw_runs=not args.skip_adamw, save=save)
@@ -503,6 +620,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         _write_table(args.table, doc)
     return 0
+
+
+def merge(docs: Sequence[dict]) -> dict:
+    """The first of ``docs`` with the tasks of the others (same configurations, ZenFlow knobs and seeds; disjoint
+    tasks), each other's record listed as an addition."""
+    doc = json.loads(json.dumps(docs[0]))
+    for other in docs[1:]:
+        if ([c["name"] for c in other["configs"]] != [c["name"] for c in doc["configs"]]
+                or (other["topk_ratio"], other["update_interval"]) != (doc["topk_ratio"], doc["update_interval"])):
+            raise ValueError("merge: the runs differ in configurations or knobs")
+        names = [t["name"] for t in other["tasks"]]
+        if set(names) & {t["name"] for t in doc["tasks"]}:
+            raise ValueError(f"merge: tasks {names} are in both")
+        doc["tasks"] += other["tasks"]
+        doc["runs"].update(other["runs"])
+        doc["seeds"] = sorted(set(doc["seeds"]) | set(other["seeds"]))
+        doc["command"] += f" ; {other['command']}"
+        m = other["measured"]
+        doc["measured"].setdefault("added", []).append({
+            "configs": [c["name"] for c in other["configs"]], "tasks": names, "date": m["date"],
+            "adamw_rerun_equal": False,
+            "revision": m["revision"], "wall_s": m.get("wall_s"), "load_average": m["load_average"]})
+    return doc
 
 
 def _write_table(path: Path, doc: dict) -> None:

@@ -53,18 +53,22 @@ LR = 1e-3
 WEIGHT_DECAY = 0.01
 
 
-def _finetune(state: dict[str, torch.Tensor], cfg: CharLMConfig, *, steps: int, batch: int, seed: int,
-              topk_ratio: float | None, update_interval: int | None) -> float:
-    """Held-out loss after fine-tuning from ``state``; AdamW when ``topk_ratio`` is None."""
+def _finetune(state: dict[str, torch.Tensor] | None, cfg: CharLMConfig, *, steps: int, batch: int, seed: int,
+              topk_ratio: float | None, update_interval: int | None, lr: float = LR) -> float:
+    """Held-out loss after fine-tuning from ``state`` (None: from the fresh initialisation of ``seed``); AdamW when
+    ``topk_ratio`` is None."""
     corpora = load_corpora()
-    model = make_model(cfg)
-    model.load_state_dict(state)
+    model = make_model(cfg, seed=seed if state is None else 0)
+    if state is not None:
+        model.load_state_dict(state)
     if topk_ratio is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
         train(model, opt, corpora.finetune_train, steps=steps, batch=batch, seed=seed)
         return evaluate(model, corpora.finetune_val)
-    zen = ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
-                       update_interval=update_interval, overlap=True, cpu_threads=1)
+    # The table is ZenFlow's steady state from step 1 (no warm-up, merged at the next window end), as measured.
+    zen = ZenFlowAdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, topk_ratio=topk_ratio,
+                       update_interval=update_interval, overlap=True, cpu_threads=1, warmup_steps=0,
+                       overlap_steps=None)
     try:
         train(model, zen, corpora.finetune_train, steps=steps, batch=batch, seed=seed)
         zen.flush()  # overlap=True: the last window's host result reaches the model one window late
@@ -83,33 +87,36 @@ def _revision() -> str | None:
 
 
 def measure(*, topk_ratios: list[float], update_intervals: list[int], seeds: list[int], steps: int, batch: int,
-            pretrain_steps: int, command: str, progress=print) -> dict:
-    """Run the grid and return the table as a plain dict (the JSON shipped in ``autotune/``)."""
+            pretrain_steps: int, command: str, progress=print, lr: float = LR) -> dict:
+    """Run the grid and return the table as a plain dict (the JSON shipped in ``autotune/``); ``pretrain_steps``
+    0: from scratch (the ``scratch`` regime: each seed also picks the initialisation)."""
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
     cfg = CharLMConfig()
     offloaded, total = offloadable_numel(make_model(cfg))
-    state = pretrained_state(cfg, steps=pretrain_steps)
+    state = pretrained_state(cfg, steps=pretrain_steps) if pretrain_steps else None
     progress(f"pretrained ({pretrain_steps} steps) in {time.perf_counter() - started:.0f} s")
     adamw: list[float] = []
     losses = [[[0.0] * len(seeds) for _ in update_intervals] for _ in topk_ratios]
     for k, seed in enumerate(seeds):
         adamw.append(_finetune(state, cfg, steps=steps, batch=batch, seed=seed, topk_ratio=None,
-                               update_interval=None))
+                               update_interval=None, lr=lr))
         for i, r in enumerate(topk_ratios):
             for j, u in enumerate(update_intervals):
                 losses[i][j][k] = _finetune(state, cfg, steps=steps, batch=batch, seed=seed, topk_ratio=r,
-                                            update_interval=u)
+                                            update_interval=u, lr=lr)
             progress(f"seed {seed}: AdamW {adamw[k]:.4f}; r={r:g}: "
                      + " ".join(f"U={u}:{losses[i][j][k] / adamw[k]:.3f}" for j, u in enumerate(update_intervals))
                      + f"  [{time.perf_counter() - started:.0f} s]")
     wall = time.perf_counter() - started
+    start = (f"pretrained {pretrain_steps} steps on stdlib source, fine-tuned" if pretrain_steps
+             else "from scratch (each seed its own initialisation),")
     return {
         "schema": SCHEMA_VERSION,
-        "task": (f"demo fine-tune: CharLM {cfg.n_layer}x{cfg.d_model} ({total / 1e6:.2f}M params, "
-                 f"{offloaded / total:.0%} offloaded), pretrained {pretrain_steps} steps on stdlib source, "
-                 f"fine-tuned {steps} steps x batch {batch} on pydoc topics, lr {LR:g}, AdamW weight decay "
-                 f"{WEIGHT_DECAY:g}; overlap=True, select_interval=8U"),
+        "task": (f"demo {'fine-tune' if pretrain_steps else 'model from scratch'}: CharLM {cfg.n_layer}x{cfg.d_model} "
+                 f"({total / 1e6:.2f}M params, {offloaded / total:.0%} offloaded), {start} {steps} steps x batch "
+                 f"{batch} on pydoc topics, lr {lr:g}, AdamW weight decay {WEIGHT_DECAY:g}; overlap=True, "
+                 "select_interval=8U, no warm-up"),
         "metric": "held-out loss after flush() / AdamW's held-out loss, same steps, same batches",
         "command": command,
         "topk_ratios": topk_ratios,
@@ -140,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps per run (default 200)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--pretrain-steps", type=int, default=800)
+    parser.add_argument("--regime", choices=["finetune", "scratch"], default="finetune",
+                        help="finetune: the table's top level (pretrained --pretrain-steps); scratch: its "
+                             "regimes.scratch entry, from a fresh initialisation at --lr (default 2e-3 there, AdamW's "
+                             "best on that task in bench/quality_fair.py)")
+    parser.add_argument("--lr", type=float, help=f"default {LR:g} (finetune), 2e-3 (scratch)")
     args = parser.parse_args(argv)
+    scratch = args.regime == "scratch"
+    lr = args.lr if args.lr is not None else 2e-3 if scratch else LR
     torch.set_num_threads(1)
 
     def progress(msg: str) -> None:
@@ -148,13 +162,22 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "nice -n 10 python bench/quality_table.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     doc = measure(topk_ratios=sorted(args.topk_ratios), update_intervals=sorted(args.update_intervals),
-                  seeds=args.seeds, steps=args.steps, batch=args.batch, pretrain_steps=args.pretrain_steps,
-                  command=command, progress=progress)
+                  seeds=args.seeds, steps=args.steps, batch=args.batch,
+                  pretrain_steps=0 if scratch else args.pretrain_steps, command=command, progress=progress, lr=lr)
+    if scratch:
+        # The from-scratch grid is one regime of the table at --out: its other entries stay as they are.
+        whole = json.loads(args.out.read_text())
+        whole.setdefault("regimes", {})["scratch"] = {k: v for k, v in doc.items() if k != "schema"}
+        QualityTable.from_dict(whole, source=str(args.out))
+        args.out.write_text(json.dumps(whole, indent=1) + "\n")
+        print(QualityTable.from_dict(doc).render())
+        return 0
     if args.out.exists():
         # The host_lr_scale entries come from bench/quality_fair.py --table, not from this grid: keep them.
-        kept = json.loads(args.out.read_text()).get("host_lr_scale")
-        if kept:
-            doc["host_lr_scale"] = kept
+        old = json.loads(args.out.read_text())
+        for key in ("host_lr_scale", "regimes"):  # measured by other runs (quality_fair.py --table, --regime)
+            if old.get(key):
+                doc[key] = old[key]
     table = QualityTable.from_dict(doc, source=str(args.out))  # validates what is about to be shipped
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table.render())

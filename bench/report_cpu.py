@@ -255,7 +255,7 @@ def bf16_host_bytes_per_param(weights: Sequence[torch.Tensor]) -> float:
     params = [torch.nn.Parameter(w.detach().to(torch.bfloat16)) for w in weights]
     for p in params:
         p.grad = torch.zeros_like(p)
-    with ZenFlowAdamW(params, **HP, topk_ratio=0.1, update_interval=4) as opt:
+    with ZenFlowAdamW(params, **HP, topk_ratio=0.1, update_interval=4, warmup_steps=0) as opt:
         opt.step()
         return float(opt.stats()["host_bytes_per_param"])
 

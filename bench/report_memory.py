@@ -47,7 +47,7 @@ def mlp(layers: int, width: int, dtype: torch.dtype, device: str) -> nn.Module:
 
 def optimizers(topk_ratio: float = 0.1, update_interval: int = 4) -> dict[str, Callable[[nn.Module], object]]:
     """The optimizers compared, each built over a model's parameters."""
-    zen = dict(topk_ratio=topk_ratio, update_interval=update_interval)
+    zen = dict(topk_ratio=topk_ratio, update_interval=update_interval, warmup_steps=0)  # the steady state
     return {
         "torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
         "ZenFlow device": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="device", **zen),

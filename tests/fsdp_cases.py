@@ -190,7 +190,7 @@ def placement_errors(rank: int, world: int, port: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     bad = nn.Parameter(distribute_tensor(torch.randn(8, 64), mesh, [Shard(1)], src_data_rank=None))
     try:
-        ZenFlowAdamW([bad], min_offload_numel=16)
+        ZenFlowAdamW([bad], min_offload_numel=16, warmup_steps=0)
     except ValueError as exc:
         assert "parameter 0 of shape (8, 64)" in str(exc) and "Shard(dim=1)" in str(exc), str(exc)
     else:
@@ -224,7 +224,7 @@ def model_run(rank: int, world: int, port: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     gaps = {}
     for name, make in (("zenflow", lambda ps: ZenFlowAdamW(ps, lr=1e-2, topk_ratio=0.25, update_interval=2,
-                                                           min_offload_numel=256)),
+                                                           min_offload_numel=256, warmup_steps=0)),
                        ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2))):
         single = MLP()
         single_opt = make(single.parameters())
@@ -257,7 +257,8 @@ def ddp_run(rank: int, world: int, port: int, out: str) -> None:
     """DDP: every rank ends with the same parameters."""
     init(rank, world, port)
     model = nn.parallel.DistributedDataParallel(MLP())
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=256)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=256,
+                       warmup_steps=0)
     for step in range(6):
         x, y = batch(step)
         rows = x.shape[0] // world

@@ -28,7 +28,7 @@ def test_host_bf16_landing_rounds_each_step() -> None:
     is the fp32 sum of the bf16-rounded gradients."""
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=4, min_offload_numel=MIN_OFFLOAD,
-                       accumulate="host", grad_dtype="bfloat16")
+                       accumulate="host", grad_dtype="bfloat16", warmup_steps=0)
     p = model.fc1.weight
     want = None
     for i in range(3):  # mid-window: the sum holds three steps
@@ -91,7 +91,7 @@ def test_config_and_stats() -> None:
     with pytest.raises(ValueError, match="accumulate"):
         ZenFlowConfig(accumulate="gpu")
     model = Net()
-    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD) as opt:
+    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, warmup_steps=0) as opt:
         loss_fn(model, 0).backward()
         opt.step()
         st = opt.stats()
@@ -105,7 +105,7 @@ def test_adder_failure_surfaces_at_next_step(monkeypatch) -> None:
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4, min_offload_numel=MIN_OFFLOAD,
-                       accumulate="host")
+                       accumulate="host", warmup_steps=0)
 
     def broken(items, ready, num_threads):
         raise OSError("disk on fire")
@@ -125,7 +125,7 @@ def test_adder_failure_surfaces_at_next_step(monkeypatch) -> None:
 def test_close_stops_the_adder_and_state_dict_waits_for_it() -> None:
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4, min_offload_numel=MIN_OFFLOAD,
-                       accumulate="host")
+                       accumulate="host", warmup_steps=0)
     p = model.fc1.weight
     want = None
     for i in range(2):
@@ -205,7 +205,7 @@ def test_deepcopy_and_pickle_keep_the_mode_mid_window() -> None:
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), lr=2e-2, topk_ratio=0.25, update_interval=4,
-                       min_offload_numel=MIN_OFFLOAD, accumulate="host")
+                       min_offload_numel=MIN_OFFLOAD, accumulate="host", warmup_steps=0)
     for i in range(6):  # two steps into the second window
         opt.zero_grad()
         loss_fn(model, i).backward()
@@ -274,7 +274,7 @@ def test_a_checkpoint_carries_its_placement_and_auto_takes_it_at_a_load_before_t
 
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
-                       min_offload_numel=MIN_OFFLOAD, accumulate="host")
+                       min_offload_numel=MIN_OFFLOAD, accumulate="host", warmup_steps=0)
     assert opt.state_dict()["zenflow"]["accumulate"] is None  # not placed before the first step
     opt.zero_grad()
     loss_fn(model, 0).backward()
@@ -290,7 +290,8 @@ def test_a_checkpoint_carries_its_placement_and_auto_takes_it_at_a_load_before_t
     assert place_sums(cuda, ZenFlowConfig(accumulate="device"), "host")[0] == "device"
     assert place_sums(cuda, ZenFlowConfig(accumulate="auto", grads_in_backward=True), "device")[0] == "host"
     fresh = ZenFlowAdamW(Net().parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
-                         min_offload_numel=MIN_OFFLOAD)  # "auto" on CPU tensors: "device", whatever was saved
+                         min_offload_numel=MIN_OFFLOAD,
+                         warmup_steps=0)  # "auto" on CPU tensors: "device", whatever was saved
     fresh.load_state_dict(sd)
     assert fresh.stats()["accumulate"] == "device"
     fresh.close()
@@ -302,14 +303,14 @@ def test_cuda_auto_resumes_in_the_checkpoints_placement() -> None:
     torch.manual_seed(0)
     model = Net().cuda()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
-                       min_offload_numel=MIN_OFFLOAD, accumulate="host")
+                       min_offload_numel=MIN_OFFLOAD, accumulate="host", warmup_steps=0)
     opt.zero_grad()
     loss_fn(model, 0).backward()
     opt.step()
     sd = opt.state_dict()
     opt.close()
     fresh = ZenFlowAdamW(Net().cuda().parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2,
-                         min_offload_numel=MIN_OFFLOAD, accumulate="auto")
+                         min_offload_numel=MIN_OFFLOAD, accumulate="auto", warmup_steps=0)
     fresh.load_state_dict(sd)
     stats = fresh.stats()
     assert stats["accumulate"] == "host" and "checkpoint" in stats["accumulate_reason"]

@@ -167,7 +167,8 @@ def test_bytes_per_param_are_what_the_optimizer_holds(dtype, accumulate, grad_dt
     # The oracle: the optimizer's own stats() on CPU tensors (its per-column vectors add under 0.1 B/param here).
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 128, bias=False).to(dtype)
-    with ZenFlowAdamW(model.parameters(), accumulate=accumulate, topk_ratio=0.25, grad_dtype=grad_dtype) as opt:
+    with ZenFlowAdamW(model.parameters(), accumulate=accumulate, topk_ratio=0.25, grad_dtype=grad_dtype,
+                      warmup_steps=0) as opt:
         for _ in range(2):
             model(torch.randn(4, 64, dtype=dtype)).sum().backward()
             opt.step()
@@ -337,7 +338,8 @@ def test_the_optimizers_auto_plan_predicts_the_mode_it_placed(planned_with_synth
     calls = planned_with_synthetic_profile
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 128, bias=False)
-    with ZenFlowAdamW(model.parameters(), accumulate=mode, topk_ratio="auto", update_interval="auto") as opt:
+    with ZenFlowAdamW(model.parameters(), accumulate=mode, topk_ratio="auto", update_interval="auto",
+                      warmup_steps=0) as opt:
         for _ in range(7):
             model(torch.randn(4, 64)).sum().backward()
             opt.step()

@@ -111,7 +111,8 @@ def test_auto_with_an_unusable_profile_trains_on_the_quick_probe(tmp_path, monke
     monkeypatch.setattr("zenflow_triton.autotune.probes.probe_machine", lambda *a, **k: synthetic_profile())
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio="auto", update_interval="auto", min_offload_numel=512)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio="auto", update_interval="auto", min_offload_numel=512,
+                       warmup_steps=0)
     with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
         for _ in range(8):
             opt.zero_grad()

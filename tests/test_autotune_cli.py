@@ -264,7 +264,8 @@ def test_json_table_and_stats_tell_one_story(saved_profile, capsys):
     assert code == cli.EXIT_OK, err
     (from_json,) = json.loads(out)["plans"]
     # stats() gets the same plan's fields through Knobs.report, under the same names.
-    _, plan = cli._plans(load_profile(saved_profile), cli.build_parser().parse_args(argv), default_quality_table())[0]
+    _, plan = cli._plans(load_profile(saved_profile), cli.build_parser().parse_args(argv),
+                         default_quality_table().for_regime("worst"))[0]
     knobs = Knobs(ZenFlowConfig(topk_ratio="auto", update_interval="auto"))
     knobs.plan = plan
     reported = knobs.report(stats(windows=10, stall_s=0.5))
@@ -566,3 +567,23 @@ def test_load_prints_the_profile_once_asked(saved_profile, capsys):
     assert "copy bandwidth" in full and "host AdamW (" in full
     assert short.split("would choose", 1)[1] == full.split("would choose", 1)[1]  # the same choice
     assert "profile loaded from" in short
+
+
+def test_quality_regime_picks_the_tables_regime(saved_profile, tmp_path, capsys):
+    fine = {"topk_ratios": [0.1, 0.5], "update_intervals": [1, 4], "ratio": [[1.02, 1.03], [1.01, 1.02]],
+            "task": "fine"}
+    scratch = dict(fine, ratio=[[1.2, 1.3], [1.1, 1.2]], task="scratch")
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(dict(fine, regimes={"scratch": scratch})))
+    argv = ["--load", str(saved_profile), "--params", "50M", "--step-time", "0.2", "--json", "--quality-table",
+            str(mine)]
+    got = {}
+    for regime in ("finetune", "scratch", "worst"):
+        code, out, err = run([*argv, "--quality-regime", regime], capsys)
+        assert code == cli.EXIT_OK, err
+        got[regime] = json.loads(out)["plans"][0]["predicted_loss_ratio"]
+    # Every grid point is within the 1.05 budget on the fine-tune; from scratch none is, so the plan moves toward
+    # r = 1 (AdamW); "worst" is the scratch table here, which is above the fine-tune everywhere.
+    assert got["finetune"] <= 1.03 < got["scratch"] and got["worst"] == got["scratch"]
+    code, out, _ = run(argv, capsys)  # the default: the worse of the two
+    assert json.loads(out)["plans"][0]["predicted_loss_ratio"] == got["worst"]

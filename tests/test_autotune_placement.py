@@ -55,7 +55,7 @@ def test_optimizer_auto_reports_the_choice_on_cpu_tensors() -> None:
     from zenflow_triton import ZenFlowAdamW
 
     w = torch.nn.Parameter(torch.randn(64, 64))
-    with ZenFlowAdamW([w], accumulate="auto") as opt:
+    with ZenFlowAdamW([w], accumulate="auto", warmup_steps=0) as opt:
         w.grad = torch.randn(64, 64)
         opt.step()
         st = opt.stats()

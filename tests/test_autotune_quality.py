@@ -177,3 +177,58 @@ def test_the_shipped_host_lr_scale_entries_are_bench_quality_fairs_and_none_help
         assert (e.topk_ratio, e.update_interval) == (0.1, 4) and e.tasks == ("finetune", "scratch", "long")
         assert "bench/quality_fair.py" in e.source and len(e.equal_lr_worst) == 3 and not e.helps
     assert table.host_lr_scale(0.1, 4, True) is None and table.host_lr_scale(0.1, 4, False) is None
+
+
+def test_regimes_finetune_scratch_and_the_worse_of_the_two(tmp_path):
+    scratch = doc(task="from scratch")
+    scratch["ratio"] = [[[x + (0.05 if u <= 2 else -0.05) for x in cell] for u, cell in zip(US, row)]
+                        for row in scratch["ratio"]]
+    whole = QualityTable.from_dict(doc(regimes={"scratch": scratch}, host_lr_scale=[scale_entry()]), source="t")
+    plain = QualityTable.from_dict(doc(), source="t")
+    assert whole.for_regime("finetune") is whole
+    s = whole.for_regime("scratch")
+    assert s.task == "from scratch" and s.host_scales == whole.host_scales and "regime scratch" in s.source
+    worst = whole.for_regime("worst")
+    for r in (0.05, 0.1, 0.3):
+        for u in (1, 2, 3, 4, 16):
+            assert worst.predict(r, u) == max(plain.predict(r, u), s.predict(r, u))
+            lo, hi = worst.predict_spread(r, u)
+            assert (lo, hi) == (max(plain.predict_spread(r, u)[0], s.predict_spread(r, u)[0]),
+                                max(plain.predict_spread(r, u)[1], s.predict_spread(r, u)[1]))
+    assert worst.predict(0.1, 1) == s.predict(0.1, 1) > plain.predict(0.1, 1)  # scratch worse at short windows
+    assert worst.predict(0.1, 8) == plain.predict(0.1, 8) > s.predict(0.1, 8)  # the fine-tune at long ones
+    assert worst.predict(0.01, 4) is None and worst.predict(1.0, 4) == 1.0
+    # A table without regimes (the user's own task) answers itself for every regime.
+    assert all(plain.for_regime(x) is plain for x in ("worst", "finetune", "scratch"))
+    with pytest.raises(ValueError, match="quality regime"):
+        whole.for_regime("pretrain")
+    # Round trip, and a narrower scratch grid narrows what "worst" covers.
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(whole.to_dict()))
+    again = load_quality_table(path)
+    assert again.regimes["scratch"].ratios == whole.regimes["scratch"].ratios
+    narrow = QualityTable.from_dict(doc(regimes={"scratch": dict(scratch, update_intervals=US[:4],
+                                                                 ratio=[row[:4] for row in scratch["ratio"]])}))
+    assert narrow.for_regime("worst").predict(0.1, 16) is None and narrow.predict(0.1, 16) is not None
+
+
+@pytest.mark.parametrize("regimes, message", [
+    ({"pretrain": doc()}, "at most 'scratch'"),
+    ([doc()], "at most 'scratch'"),
+    ({"scratch": dict(doc(), regimes={})}, "without regimes"),
+    ({"scratch": dict(doc(), ratio=[[1.0]])}, "regime scratch"),
+])
+def test_malformed_regimes_are_rejected(regimes, message):
+    with pytest.raises(QualityTableError, match=message):
+        QualityTable.from_dict(doc(regimes=regimes))
+
+
+def test_the_shipped_table_has_a_scratch_regime_and_worst_plans_with_it():
+    table = default_quality_table()
+    scratch = table.regimes["scratch"]
+    assert "--regime scratch" in scratch.command and "from scratch" in scratch.task
+    assert (scratch.topk_ratios, scratch.update_intervals) == (table.topk_ratios, table.update_intervals)
+    worst = table.for_regime("worst")
+    assert worst.predict(0.1, 4) == max(table.predict(0.1, 4), scratch.predict(0.1, 4))
+    # From scratch loses more than the fine-tune at the default 0.1 / 4, so "worst" is not the fine-tune there.
+    assert scratch.predict(0.1, 4) > table.predict(0.1, 4) + 0.05

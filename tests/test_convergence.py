@@ -68,7 +68,7 @@ def _finetune(opt_name: str, cfg: CharLMConfig, state: dict[str, torch.Tensor]) 
         return evaluate(model, corpora.finetune_val), None
     zen = ZenFlowAdamW(
         model.parameters(), lr=LR, weight_decay=0.01, topk_ratio=TOPK_RATIO, update_interval=UPDATE_INTERVAL
-    )
+, warmup_steps=0)
     try:
         train(model, zen, corpora.finetune_train, steps=FINETUNE_STEPS, batch=FINETUNE_BATCH, seed=1)
         # overlap=True leaves the last window's host update one window behind in the model (DESIGN §2).

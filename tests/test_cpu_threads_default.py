@@ -24,7 +24,7 @@ def test_default_leaves_one_core_on_cpu_and_two_on_cuda(monkeypatch, share, cpu,
 def test_optimizer_resolves_it_for_its_parameters_device(monkeypatch) -> None:
     monkeypatch.setattr(auto, "host_thread_share", lambda: 6)
     w = torch.nn.Parameter(torch.randn(64, 64))
-    with ZenFlowAdamW([w], min_offload_numel=16) as opt:
+    with ZenFlowAdamW([w], min_offload_numel=16, warmup_steps=0) as opt:
         assert opt.stats()["cpu_threads"] == 5  # CPU parameters: one core left to the training thread
 
 
@@ -32,5 +32,5 @@ def test_optimizer_resolves_it_for_its_parameters_device(monkeypatch) -> None:
 def test_optimizer_on_cuda_leaves_two_cores(monkeypatch) -> None:
     monkeypatch.setattr(auto, "host_thread_share", lambda: 6)
     w = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
-    with ZenFlowAdamW([w], min_offload_numel=16) as opt:
+    with ZenFlowAdamW([w], min_offload_numel=16, warmup_steps=0) as opt:
         assert opt.stats()["cpu_threads"] == 4

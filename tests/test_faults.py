@@ -20,7 +20,8 @@ import zenflow_triton.optimizer as zopt
 import zenflow_triton.pipeline as zpipe
 from zenflow_triton import ZenFlowAdamW
 
-KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD)
+KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD,
+             warmup_steps=0, overlap_steps=None)
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,8 @@ from zenflow_triton.integrations import close_all, flush_all, unwrap_optimizer, 
 HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_col_step")
 # Windows of 4 steps and a selection every 8: checkpoints at step 6 are mid-window, with the result of the window
 # that ended at step 4 pending; resumed runs cross a selection (step 9) and two window ends.
-OPT_KW = dict(lr=2e-2, topk_ratio=0.25, update_interval=4, select_interval=8, min_offload_numel=128)
+OPT_KW = dict(lr=2e-2, topk_ratio=0.25, update_interval=4, select_interval=8, min_offload_numel=128,
+              warmup_steps=0, overlap_steps=None)
 
 needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                                      reason='needs Lightning: pip install -e ".[frameworks]" from the checkout')

@@ -18,7 +18,7 @@ from zenflow_triton import ZenFlowAdamW
 pytestmark = pytest.mark.gpu
 
 KNOBS = dict(lr=1e-3, topk_ratio=0.1, update_interval=2, select_interval=4, warmup_steps=1, overlap=True,
-             min_offload_numel=1, backend="triton", worker_timeout=120.0)
+             min_offload_numel=1, backend="triton", worker_timeout=120.0, overlap_steps=None)
 DELAY_CYCLES = 20_000_000  # ~10 ms on an H100/H200 (see tests/test_gpu_stress.py)
 
 

@@ -27,7 +27,7 @@ from zenflow_triton import ZenFlowAdamW
 pytestmark = pytest.mark.gpu
 
 HP = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-KNOBS = dict(topk_ratio=0.1, update_interval=2, select_interval=4, warmup_steps=1)
+KNOBS = dict(topk_ratio=0.1, update_interval=2, select_interval=4, warmup_steps=1, overlap_steps=None)
 # 7 steps: the warm-up window, two selections (the second migrates columns), three overlapped windows; the last one
 # ends at the last step, so flush() only merges its result (no open window to end early).
 STEPS = 7

@@ -37,7 +37,7 @@ def test_max_grad_norm_equals_clip_grad_norm_then_step(accumulate: str, overlap:
 def test_a_parameter_listed_twice_is_clipped_once() -> None:
     w = torch.nn.Parameter(torch.ones(64, 64))
     with pytest.warns(UserWarning, match="duplicate"):
-        opt = ZenFlowAdamW([w, w], max_grad_norm=1.0, topk_ratio=0.1)
+        opt = ZenFlowAdamW([w, w], max_grad_norm=1.0, topk_ratio=0.1, warmup_steps=0)
     with opt:
         w.grad = torch.full((64, 64), 3.0)  # norm 3 * 64 = 192
         ref = w.grad.clone()
@@ -52,7 +52,7 @@ def test_max_grad_norm_config() -> None:
         with pytest.raises(ValueError, match="max_grad_norm"):
             ZenFlowConfig(max_grad_norm=bad)
     model = Net()
-    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD) as opt:
+    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, warmup_steps=0) as opt:
         loss_fn(model, 0).backward()
         opt.step()
         assert opt.stats()["last_grad_norm"] is None and opt.stats()["max_grad_norm"] is None

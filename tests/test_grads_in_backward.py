@@ -18,7 +18,7 @@ import zenflow_triton.capture as zcapture
 from zenflow_triton import ZenFlowAdamW, ZenFlowConfig
 
 KNOBS = dict(lr=2e-2, weight_decay=0.05, topk_ratio=0.25, update_interval=3, select_interval=6, warmup_steps=2,
-             min_offload_numel=MIN_OFFLOAD, accumulate="host")
+             min_offload_numel=MIN_OFFLOAD, accumulate="host", overlap_steps=None)
 # warm-up 2, then selections at tau = 1 (step 3: the ordinary path), 7 and 13 (steps 9, 15: captured and migrated)
 STEPS = 16
 
@@ -94,7 +94,8 @@ def _simulated():
     model, twin = Net(), Net()
     hp = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     opt = ZenFlowAdamW(model.parameters(), **hp, topk_ratio=0.25, update_interval=3, select_interval=6,
-                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True)
+                       warmup_steps=2, min_offload_numel=MIN_OFFLOAD, accumulate="host", grads_in_backward=True,
+                       overlap_steps=None)
     sims = {p: Simulation(p.detach(), r=0.25, interval=3, select=6, warmup=2, overlap=True) for p in offloaded(model)}
     return model, twin, hp, opt, sims
 
@@ -341,15 +342,16 @@ def test_refusals(monkeypatch) -> None:
     with pytest.raises(ValueError, match="grads_in_backward"):
         ZenFlowConfig(grads_in_backward=1)
     with pytest.raises(ValueError, match="bfloat16"):
-        ZenFlowAdamW(Net(torch.float16).parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW(Net(torch.float16).parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True,
+                     warmup_steps=0)
     w = torch.nn.Parameter(torch.randn(32, 32))
     with pytest.raises(ValueError, match="listed twice"):
-        ZenFlowAdamW([w, w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW([w, w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
     with pytest.raises(ValueError, match="grad_dtype='float32'"):
-        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, grad_dtype="bfloat16")
+        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, grad_dtype="bfloat16", warmup_steps=0)
     monkeypatch.setattr(zcapture, "is_sharded", lambda p: True)
     with pytest.raises(ValueError, match="DTensor"):
-        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW([w], min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
 
 
 def test_several_processes_are_refused(monkeypatch) -> None:
@@ -358,7 +360,7 @@ def test_several_processes_are_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     with pytest.raises(RuntimeError, match="several processes"):
-        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True)
+        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0)
 
 
 def test_zenflow_adam_equals_its_default_mode() -> None:
@@ -373,7 +375,7 @@ def test_zenflow_adam_equals_its_default_mode() -> None:
 
 def test_auto_places_the_sums_on_the_host_and_stats() -> None:
     model = Net()
-    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True) as opt:
+    with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, grads_in_backward=True, warmup_steps=0) as opt:
         loss_fn(model, 0).backward()
         opt.step()
         st = opt.stats()

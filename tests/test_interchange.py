@@ -65,7 +65,8 @@ def test_interchange_mid_run_with_offloading() -> None:
     model = Net()
     first = torch.optim.AdamW(model.parameters(), **HP)
     _train(model, first, range(3))
-    middle = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.1, update_interval=4, min_offload_numel=MIN_OFFLOAD)
+    middle = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.1, update_interval=4, min_offload_numel=MIN_OFFLOAD,
+                         warmup_steps=0)
     middle.load_state_dict(first.state_dict())
     weights = offloaded(model)
     assert all(int(middle.state[p]["host_col_step"][0]) == 3 for p in weights)
@@ -108,11 +109,13 @@ def test_state_shapes_depend_only_on_the_parameters(steps: int) -> None:
 
 def test_checkpoint_loads_with_another_topk_ratio() -> None:
     model = Net()
-    opt = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.1, update_interval=4, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.1, update_interval=4, min_offload_numel=MIN_OFFLOAD,
+                         warmup_steps=0)
     _train(model, opt, range(6))  # mid-window, one selection made
     sd = copy.deepcopy(opt.state_dict())
     opt.close()
-    other = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.5, update_interval=4, min_offload_numel=MIN_OFFLOAD)
+    other = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.5, update_interval=4, min_offload_numel=MIN_OFFLOAD,
+                         warmup_steps=0)
     other.load_state_dict(sd)
     assert other.config.topk_ratio == 0.5 and other.stats()["topk_ratio"] == 0.1  # the checkpoint's knobs resume
     _train(model, other, range(6, 12))

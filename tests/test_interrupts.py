@@ -17,7 +17,8 @@ from test_optimizer import MIN_OFFLOAD, Net, loss_fn
 import zenflow_triton.worker as zworker
 from zenflow_triton import ZenFlowAdamW
 
-KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD)
+KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=MIN_OFFLOAD,
+             warmup_steps=0, overlap_steps=None)
 STEPS = 10
 INTERRUPT_AT = 3  # the 4th step() ends a window and waits for a host job
 GATE_TIMEOUT_S = 60.0  # only a broken test waits this long

@@ -14,7 +14,7 @@ from test_optimizer import MIN_OFFLOAD, Net, train_steps
 
 from zenflow_triton import ZenFlowAdamW
 
-BASE = dict(lr=2e-2, min_offload_numel=MIN_OFFLOAD)
+BASE = dict(lr=2e-2, min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
 
 
 def _knobs(opt) -> tuple:

@@ -59,7 +59,7 @@ def test_a_selection_step_migrates_without_a_second_compact_state(dtype: torch.d
     building the new compact state beside the old, with every parameter's leaving and joining columns on the device
     at once, peaked at 12.71 / 8.67 (13 steps)."""
     make = lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host", topk_ratio=0.1,  # noqa: E731
-                                  update_interval=4, select_interval=4)
+                                  update_interval=4, select_interval=4, warmup_steps=0)
     fig = report_memory.measure(make, dtype=dtype, steps=STEPS)
     assert fig.peak <= peak
 
@@ -68,7 +68,7 @@ def test_a_selection_step_migrates_without_a_second_compact_state(dtype: torch.d
 def test_stats_device_bytes_per_param(mode: str, acc_bytes: float) -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 100))
-    with ZenFlowAdamW([w], topk_ratio=0.1, update_interval=2, accumulate=mode) as opt:
+    with ZenFlowAdamW([w], topk_ratio=0.1, update_interval=2, accumulate=mode, warmup_steps=0) as opt:
         for _ in range(3):
             w.grad = torch.randn(64, 100)
             opt.step()
@@ -107,7 +107,7 @@ def test_stats_device_bytes_per_param_with_grads_in_backward() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 100))
     x = torch.randn(8, 64)
-    with ZenFlowAdamW([w], topk_ratio=0.1, update_interval=2, grads_in_backward=True) as opt:
+    with ZenFlowAdamW([w], topk_ratio=0.1, update_interval=2, grads_in_backward=True, warmup_steps=0) as opt:
         for _ in range(3):
             opt.zero_grad()
             (x @ w).pow(2).sum().backward()

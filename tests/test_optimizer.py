@@ -343,7 +343,7 @@ def test_new_parameter_storage_is_followed() -> None:
         return w.detach()
 
     ours = run(lambda ps: ZenFlowAdamW(ps, lr=1e-2, topk_ratio=0.0, update_interval=1, overlap=False,
-                                       min_offload_numel=1024))
+                                       min_offload_numel=1024, warmup_steps=0))
     ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
 
@@ -355,7 +355,7 @@ def test_fp16_gradient_read_in_place() -> None:
     w = nn.Parameter(torch.randn(40, 70, generator=gen).to(torch.float16))
     sim = Simulation(w.detach(), r=0.0, interval=1, select=8, warmup=0, overlap=False)
     opt = ZenFlowAdamW([w], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, topk_ratio=0.0, update_interval=1,
-                       overlap=False, min_offload_numel=1024)
+                       overlap=False, min_offload_numel=1024, warmup_steps=0)
     for i in range(6):
         w.grad = torch.randn(40, 70, generator=gen).mul_(0.1 * (i + 1)).to(torch.float16)
         opt.step()
@@ -426,7 +426,8 @@ def test_gradient_accumulation_loses_nothing() -> None:
 
     def run(split: bool) -> nn.Module:
         model = Bigger()
-        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2, min_offload_numel=1024)
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.2, update_interval=2, min_offload_numel=1024,
+                           warmup_steps=0)
         for i in range(8):
             g = torch.Generator().manual_seed(i)
             x, y = torch.randint(0, 100, (8, 6), generator=g), torch.randn(8, 48, generator=g)
@@ -534,7 +535,8 @@ def test_host_lr_scale_is_checkpointed(overlap: bool) -> None:
 
 def test_state_dict_does_not_move_params_and_waits_for_host() -> None:
     model = Net()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD,
+                       warmup_steps=0)
     for i in range(4):  # ends two windows: the second one's result is still pending with overlap
         opt.zero_grad()
         loss_fn(model, i).backward()
@@ -557,7 +559,7 @@ def test_frozen_and_gradless_params_untouched() -> None:
     model = Net()
     model.fc2.weight.requires_grad_(False)
     extra = nn.Parameter(torch.randn(40, 40))  # never gets a gradient
-    opt = ZenFlowAdamW(list(model.parameters()) + [extra], lr=1e-2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(list(model.parameters()) + [extra], lr=1e-2, min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
     frozen, extra0 = model.fc2.weight.detach().clone(), extra.detach().clone()
     for i in range(6):
         opt.zero_grad()
@@ -602,27 +604,27 @@ def test_invalid_hyperparameters(kwargs, match) -> None:
 def test_bad_params_and_grads() -> None:
     with pytest.warns(UserWarning, match="duplicate parameters"):  # as torch.optim.AdamW
         p = nn.Parameter(torch.randn(4, 4))
-        ZenFlowAdamW([p, p]).close()
+        ZenFlowAdamW([p, p], warmup_steps=0).close()
     with pytest.raises(ValueError, match="more than one parameter group"):  # as torch.optim.AdamW
-        ZenFlowAdamW([{"params": [p]}, {"params": [p]}])
+        ZenFlowAdamW([{"params": [p]}, {"params": [p]}], warmup_steps=0)
     with pytest.raises(ValueError, match="complex"):
-        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))])
+        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))], warmup_steps=0)
     with pytest.raises(ValueError, match="meta"):
-        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.empty(4, 4, device="meta"))])
+        ZenFlowAdamW([nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.empty(4, 4, device="meta"))], warmup_steps=0)
     emb = nn.Embedding(100, 64, sparse=True)
-    opt = ZenFlowAdamW(emb.parameters(), min_offload_numel=16)
+    opt = ZenFlowAdamW(emb.parameters(), min_offload_numel=16, warmup_steps=0)
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     opt.close()
     with pytest.raises(ValueError, match="parameter groups"):
-        ZenFlowAdamW(Net().parameters()).load_state_dict({"state": {}, "param_groups": []})
+        ZenFlowAdamW(Net().parameters(), warmup_steps=0).load_state_dict({"state": {}, "param_groups": []})
 
 
 def test_triton_backend_on_cpu_needs_interpreter(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):  # at construction, not at the first step()
-        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, backend="triton")
+        ZenFlowAdamW(Net().parameters(), min_offload_numel=MIN_OFFLOAD, backend="triton", warmup_steps=0)
 
 
 # ------------------------------------------------------------------------------------------ worker faults
@@ -641,7 +643,8 @@ def test_worker_exception_surfaces_at_next_step(monkeypatch) -> None:
 
     monkeypatch.setattr(zpipe, "run_host_job", broken)
     model = Net()
-    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD,
+                       warmup_steps=0)
     _train_steps(opt, model, 2)  # the window ends here; the job fails in the worker
     time.sleep(0.2)
     with pytest.raises(RuntimeError, match="host worker failed") as info:
@@ -662,7 +665,7 @@ def test_hung_worker_becomes_error(monkeypatch) -> None:
     monkeypatch.setattr(zpipe, "run_host_job", hang)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), update_interval=1, overlap=False, min_offload_numel=MIN_OFFLOAD,
-                       worker_timeout=0.3)
+                       worker_timeout=0.3, warmup_steps=0)
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="did not finish a job within worker_timeout"):
         _train_steps(opt, model, 1)
@@ -673,7 +676,7 @@ def test_hung_worker_becomes_error(monkeypatch) -> None:
 
 def test_dead_worker_becomes_error() -> None:
     model = Net()
-    opt = ZenFlowAdamW(model.parameters(), update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), update_interval=2, min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
     opt._pipeline.worker._queue.put(None)  # the thread exits as if it had crashed
     opt._pipeline.worker._thread.join(5)
     with pytest.raises(RuntimeError, match="died"):
@@ -687,7 +690,7 @@ def test_dead_worker_becomes_error() -> None:
 def test_stats_flush_close_and_context_manager() -> None:
     model = Net()
     with ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
-                      min_offload_numel=MIN_OFFLOAD) as opt:
+                      min_offload_numel=MIN_OFFLOAD, warmup_steps=0) as opt:
         _train_steps(opt, model, 8)
         st = opt.stats()
         assert st["steps"] == 8 and st["windows"] == 4 and st["selections"] == 1
@@ -719,7 +722,7 @@ def test_auto_knobs_plan_after_warmup_and_report(quick_profile, monkeypatch) -> 
     monkeypatch.setenv("ZENFLOW_TRITON_PROFILE", quick_profile)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio="auto", update_interval="auto",
-                       min_offload_numel=MIN_OFFLOAD)
+                       min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
     assert opt.stats()["update_interval"] is None  # nothing is chosen before the step time is measured
     for i in range(zopt.AUTO_WARMUP_STEPS):
         opt.zero_grad()
@@ -738,7 +741,8 @@ def test_auto_knobs_plan_after_warmup_and_report(quick_profile, monkeypatch) -> 
     assert isinstance(st["auto_reason"], str) and st["auto_reason"]
     sd = opt.state_dict()
     assert sd["zenflow"]["update_interval"] == u and sd["zenflow"]["topk_ratio"] == r
-    fresh = ZenFlowAdamW(Net().parameters(), topk_ratio="auto", update_interval="auto", min_offload_numel=MIN_OFFLOAD)
+    fresh = ZenFlowAdamW(Net().parameters(), topk_ratio="auto", update_interval="auto", min_offload_numel=MIN_OFFLOAD,
+                         warmup_steps=0)
     fresh.load_state_dict(sd)
     assert fresh.stats()["update_interval"] == u and fresh.stats()["topk_ratio"] == r
     fresh.close()
@@ -749,7 +753,7 @@ def test_auto_respects_a_fixed_knob(quick_profile, monkeypatch) -> None:
     monkeypatch.setenv("ZENFLOW_TRITON_PROFILE", quick_profile)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval="auto", select_interval=12,
-                       min_offload_numel=MIN_OFFLOAD)
+                       min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
     _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS + 1)
     st = opt.stats()
     assert st["topk_ratio"] == 0.25 and 12 % st["update_interval"] == 0 and st["select_interval"] == 12
@@ -772,7 +776,7 @@ def test_auto_host_lr_scale_takes_the_quality_tables_measured_gain(quick_profile
     monkeypatch.setenv("ZENFLOW_TRITON_QUALITY_TABLE", str(table))
     model = Net()
     with ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2, host_lr_scale="auto",
-                      min_offload_numel=MIN_OFFLOAD) as opt:
+                      min_offload_numel=MIN_OFFLOAD, warmup_steps=0) as opt:
         _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS)
         assert opt.stats()["host_lr_scale"] is None  # still "auto" during the warm-up
         _train_steps(opt, model, 2)
@@ -781,7 +785,7 @@ def test_auto_host_lr_scale_takes_the_quality_tables_measured_gain(quick_profile
         assert opt.state_dict()["zenflow"]["host_lr_scale"] == 1.5
     model = Net()
     with ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4, host_lr_scale="auto",
-                      min_offload_numel=MIN_OFFLOAD) as opt:  # not measured at U=4: Adam's step
+                      min_offload_numel=MIN_OFFLOAD, warmup_steps=0) as opt:  # not measured at U=4: Adam's step
         _train_steps(opt, model, zopt.AUTO_WARMUP_STEPS + 1)
         assert opt.stats()["host_lr_scale"] == 1.0
 
@@ -792,7 +796,7 @@ def test_grad_scaler_unscales_and_skips_inf_steps() -> None:
     def run(use_scaler: bool, poison_step: int | None) -> list[torch.Tensor]:
         model = Net()
         opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
-                           min_offload_numel=MIN_OFFLOAD)
+                           min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=use_scaler)
         for i in range(6):
             opt.zero_grad()
@@ -840,7 +844,8 @@ def test_cuda_matches_simulation_every_step(backend: str, overlap: bool) -> None
 @pytest.mark.gpu
 def test_cuda_checkpoint_loads_onto_cpu_and_back() -> None:
     model = Net().cuda()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=MIN_OFFLOAD,
+                       warmup_steps=0)
     _train_steps(opt, model, 5)  # mid-window, with the last window's result pending
     assert opt.stats()["pinned_bytes"] > 0
     buf = io.BytesIO()
@@ -851,7 +856,7 @@ def test_cuda_checkpoint_loads_onto_cpu_and_back() -> None:
         other = Net().to(device)
         other.load_state_dict(ckpt["model"])
         opt2 = ZenFlowAdamW(other.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
-                            min_offload_numel=MIN_OFFLOAD)
+                            min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
         opt2.load_state_dict(ckpt["opt"])
         _train_steps(opt2, other, 3)
         opt2.flush()
@@ -899,7 +904,7 @@ def test_host_threads_split_between_local_ranks(monkeypatch, bound: bool) -> Non
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 16)
     assert worker.host_thread_share() == 4
     assert worker.host_thread_limit() == (4 if bound else 16)
-    with ZenFlowAdamW([nn.Parameter(torch.randn(32, 128))]) as opt:
+    with ZenFlowAdamW([nn.Parameter(torch.randn(32, 128))], warmup_steps=0) as opt:
         assert opt.stats()["cpu_threads"] == 3
 
 
@@ -912,7 +917,7 @@ def test_first_host_kernel_load_is_announced_and_not_stall(monkeypatch, caplog) 
     monkeypatch.setattr(zpipe, "_COMPILE_NOTICE_S", 0.0)  # any load counts as slow here: the cache is warm
     model = Net()
     with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
-        with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, update_interval=2) as opt:
+        with ZenFlowAdamW(model.parameters(), min_offload_numel=MIN_OFFLOAD, update_interval=2, warmup_steps=0) as opt:
             for i in range(6):
                 opt.zero_grad()
                 loss_fn(model, i).backward()

@@ -26,7 +26,8 @@ def _run(*, backend: str, overlap: bool, steps: int, interval: int, select: int,
     after every step and after each ``flush()`` (called after the steps in ``flush_at``)."""
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.25, update_interval=interval, select_interval=select,
-                       warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend)
+                       warmup_steps=warmup, overlap=overlap, min_offload_numel=MIN_OFFLOAD, backend=backend,
+                       overlap_steps=None)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     weights = offloaded(model)
     sims = [Simulation(p.detach(), r=0.25, interval=interval, select=select, warmup=warmup, overlap=overlap)

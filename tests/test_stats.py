@@ -30,7 +30,7 @@ def test_per_step_views(monkeypatch) -> None:
     monkeypatch.setattr(zpipe, "run_host_job", slow)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, overlap=False,
-                       min_offload_numel=MIN_OFFLOAD)
+                       min_offload_numel=MIN_OFFLOAD, warmup_steps=0)
     assert opt.stats()["ms_per_step"] == 0.0 and opt.stats()["stall_ms_per_step"] == 0.0  # no step yet
     train_steps(model, opt, range(6))
     st = opt.stats()
@@ -52,7 +52,8 @@ def _documented_keys() -> set[str]:
 
 def test_every_stats_key_is_in_the_telemetry_table() -> None:
     model = Net()
-    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD)
+    opt = ZenFlowAdamW(model.parameters(), topk_ratio=0.1, update_interval=2, min_offload_numel=MIN_OFFLOAD,
+                       warmup_steps=0)
     train_steps(model, opt, range(3))
     keys = set(opt.stats())
     missing = keys - _documented_keys()
@@ -65,7 +66,7 @@ def test_matrices_kept_resident_get_one_summary_warning(caplog) -> None:
     params = [nn.Parameter(torch.randn(32, 24, dtype=torch.float64)), nn.Parameter(torch.randn(24, 16).t()),
               nn.Parameter(torch.randn(40, 20, dtype=torch.float64)), nn.Parameter(torch.randn(32, 24)),
               nn.Parameter(torch.randn(7, dtype=torch.float64))]
-    opt = ZenFlowAdamW(params, min_offload_numel=256)
+    opt = ZenFlowAdamW(params, min_offload_numel=256, warmup_steps=0)
     with caplog.at_level(logging.WARNING, logger="zenflow_triton"):
         for _ in range(3):
             for p in params:

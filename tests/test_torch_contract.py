@@ -113,7 +113,8 @@ def make_zen(
 ) -> ZenFlowAdamW:
     """ZenFlowAdamW, by default in its AdamW-equivalent mode (every column on the device, one-step windows)."""
     opt = cls(params, lr=lr, betas=betas, weight_decay=weight_decay, topk_ratio=topk_ratio,
-              update_interval=update_interval, overlap=overlap, min_offload_numel=min_offload_numel, backend=backend)
+              update_interval=update_interval, overlap=overlap, min_offload_numel=min_offload_numel, backend=backend,
+              warmup_steps=0)
     _opened.append(opt)
     return opt
 
@@ -906,7 +907,7 @@ def test_mixed_betas_refused_with_torchs_message(betas) -> None:
     with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
         torch.optim.AdamW([p], betas=betas)
     with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
-        _opened.append(ZenFlowAdamW([p], betas=betas))
+        _opened.append(ZenFlowAdamW([p], betas=betas, warmup_steps=0))
 
 
 def test_numpy_hyperparameters_like_adamw() -> None:
@@ -926,4 +927,4 @@ def test_numpy_hyperparameters_like_adamw() -> None:
     assert_params_close(params, ref_params, "numpy hyperparameters")
     # Refused values stay refused, numpy or not, with torch's message.
     with pytest.raises(ValueError, match="Invalid learning rate|Invalid lr"):
-        _opened.append(ZenFlowAdamW(make_params()[:1], lr=np.float32(-1.0)))
+        _opened.append(ZenFlowAdamW(make_params()[:1], lr=np.float32(-1.0), warmup_steps=0))

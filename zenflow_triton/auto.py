@@ -133,9 +133,12 @@ class Knobs:
             raise ValueError(f"Invalid cpu_threads: {config.cpu_threads} (this process can run at most {limit} numba "
                              "threads: its CPU affinity, capped by NUMBA_NUM_THREADS)")
         self.config = config
-        self.warmup = max(config.warmup_steps, AUTO_WARMUP_STEPS) if config.is_auto else config.warmup_steps
+        # overlap_steps="auto" (the default) needs no plan on CPU tensors or without overlap (config.py).
+        fixed = config.without_planning(None if device is None else device.type)
+        self._planned = (fixed or config).is_auto
+        self.warmup = max(config.warmup_steps, AUTO_WARMUP_STEPS) if self._planned else config.warmup_steps
         r = config.topk_ratio
-        self.resolved = config.replace(
+        self.resolved = (fixed or config).replace(
             topk_ratio=r if r == "auto" else float(r),
             select_interval=config.resolved_select_interval() if config.update_interval != "auto" else None,
             cpu_threads=config.cpu_threads or default_cpu_threads(device),
@@ -162,7 +165,7 @@ class Knobs:
     def sample_step_time(self, entered: float, device: torch.device | None) -> None:
         """Record the time between the end of the last ``step()`` and ``entered`` (the forward and backward),
         while "auto" still waits for its plan. ``device``: the offloaded parameters' (None: none stepped)."""
-        if self.plan is not None or not self.config.is_auto or device is None:
+        if self.plan is not None or not self._planned or device is None:
             return
         self._sampled_on = device
         if self._last_step_end is None:
@@ -205,7 +208,7 @@ class Knobs:
             step_time_s=self.measured_step_time(), device=device, topk_ratio=self.value("topk_ratio"),
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
             overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
-            accumulate=accumulate, overlap_steps=cfg.overlap_steps,
+            accumulate=accumulate, overlap_steps=cfg.overlap_steps, quality_regime=cfg.quality_regime,
         ))
         self.plan = plan
         u = int(plan.update_interval)
@@ -271,7 +274,7 @@ class Knobs:
         h = "auto" if h is None else h
         k = saved.get("overlap_steps")
         if k is None and self.config.overlap_steps == "auto" and saved.get("step", 0) <= self.warmup:
-            k = "auto"  # saved before the plan: it is still to be made
+            k = self.resolved.overlap_steps  # saved before the plan: it is still to be made (or needs none)
         self.resolved = self.resolved.replace(
             topk_ratio="auto" if r is None else r, update_interval="auto" if u is None else u,
             select_interval=s if u is not None else self.config.select_interval, host_lr_scale=h,

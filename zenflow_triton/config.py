@@ -29,8 +29,9 @@ class ZenFlowConfig:
     """U: steps per window; the host applies the accumulated unselected columns once per window."""
     select_interval: int | None = None
     """S: steps between reselections of the top-k columns, a multiple of U; None means 8*U."""
-    warmup_steps: int = 0
-    """Steps of plain synchronous AdamW on every element before selection starts ("auto" knobs add 5)."""
+    warmup_steps: int = 100
+    """Steps of plain synchronous AdamW on every element before selection starts (at least 5 while a knob is "auto"
+    to plan; docs/quality.md: the default keeps a from-scratch run's first, fast-moving steps dense)."""
     overlap: bool = True
     """Run host windows asynchronously and apply their result one window late (bounded staleness)."""
     min_offload_numel: int = 4096
@@ -56,12 +57,16 @@ class ZenFlowConfig:
     host_lr_scale: float | Auto = 1.0
     """s: each host window after warm-up takes its AdamW step with lr*s (decoupled decay included); 1.0 is Adam's
     step, the default; "auto": the autotuner's choice from its quality table (1.0 where it measured no gain)."""
-    overlap_steps: int | Auto | None = None
+    overlap_steps: int | Auto | None = "auto"
     """With overlap=True, how many steps after a window end its host result is merged into the parameters: 1 to
     update_interval; None is update_interval (the next window end, ZenFlow's one window of staleness). Fewer steps
     leave fewer stale gradients in the next window but give its host job less time to finish: step() waits (stall)
-    for a job that is not done by then. "auto": the autotuner's choice, the fewest steps that keep the predicted
-    step time within its speed tolerance of update_interval's."""
+    for a job that is not done by then. "auto" (the default): the autotuner's choice, the fewest steps that keep the
+    predicted step time within its speed tolerance of update_interval's; 1 on CPU tensors (the host job runs on the
+    same cores either way); without overlap, None."""
+    quality_regime: Literal["worst", "finetune", "scratch"] = "worst"
+    """Which of the autotuner's quality tables "auto" plans with: "finetune" (a pretrained model), "scratch"
+    (training from a fresh initialisation), or "worst" (the higher predicted loss of the two)."""
     # Gradients consumed during backward (issue 18).
     grads_in_backward: bool = False
     """Consume each offloaded parameter's gradient in a post-accumulate-grad hook during backward (scores, the
@@ -112,7 +117,7 @@ class ZenFlowConfig:
         if k is not None:
             if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
                 raise ValueError(f"Invalid overlap_steps: {k!r} (an int >= 1, 'auto', or None for update_interval)")
-            if not self.overlap:
+            if not self.overlap and k != "auto":
                 raise ValueError(f"Invalid overlap_steps={k} with overlap=False: without overlap every host result is "
                                  "in the parameters when step() returns; leave overlap_steps None")
             if u == "auto" and k != "auto":
@@ -121,6 +126,8 @@ class ZenFlowConfig:
             if k != "auto" and k > u:
                 raise ValueError(f"Invalid overlap_steps: {k} is more than update_interval={u} (a result is merged "
                                  "by the next window end at the latest)")
+        if self.quality_regime not in ("worst", "finetune", "scratch"):
+            raise ValueError(f"Invalid quality_regime: {self.quality_regime!r} (one of 'worst', 'finetune', 'scratch')")
         # Gradients consumed during backward (issue 18).
         if not isinstance(self.grads_in_backward, bool):
             raise ValueError(f"Invalid grads_in_backward: {self.grads_in_backward!r} (a bool)")
@@ -133,7 +140,18 @@ class ZenFlowConfig:
     @property
     def is_auto(self) -> bool:
         return (self.topk_ratio == "auto" or self.update_interval == "auto" or self.host_lr_scale == "auto"
-                or self.overlap_steps == "auto")
+                or (self.overlap_steps == "auto" and self.overlap))
+
+    def without_planning(self, device_type: str | None) -> ZenFlowConfig | None:
+        """This config with ``overlap_steps="auto"`` resolved where no plan is needed, None where one is: without
+        overlap it is None; when the other knobs are fixed and the offloaded tensors are on the CPU (``device_type``
+        "cpu", or None for none), 1: no GPU to keep busy, and the quality measurements that chose it ran there."""
+        if self.overlap_steps != "auto":
+            return self
+        if not self.overlap:
+            return self.replace(overlap_steps=None)
+        fixed = "auto" not in (self.topk_ratio, self.update_interval, self.host_lr_scale)
+        return self.replace(overlap_steps=1) if fixed and device_type in (None, "cpu") else None
 
     def merge_due(self, tau: int) -> bool:
         """Whether step ``tau`` (after warm-up) merges the last window's host result before the next window end:

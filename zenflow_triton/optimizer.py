@@ -62,9 +62,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         topk_ratio: fraction of each offloaded weight's columns updated on the device every step, or "auto".
         update_interval: steps per host window (U), or "auto".
         select_interval: steps between reselections (a multiple of U); None means 8 windows.
-        warmup_steps: steps of synchronous AdamW on every element before selection starts.
-        overlap: apply each window's host result ``overlap_steps`` steps late (None: U, one window; "auto": the
-            tuner's) instead of waiting for it: fewer steps, fewer stale gradients, less time for the host job (§3).
+        warmup_steps: steps of synchronous AdamW on every element before selection starts (default 100).
+        overlap: apply each window's host result ``overlap_steps`` steps late (None: U, one window; "auto", the
+            default: the tuner's, 1 on CPU tensors) instead of waiting: fewer stale gradients, less time for the host.
+        quality_regime: "finetune", "scratch" or "worst" (the default): the quality table "auto" plans with.
         min_offload_numel: smallest parameter (ndim >= 2) that is offloaded.
         cpu_threads: numba threads of the host worker (None: all cores but one, but two with CUDA parameters, and
             every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
@@ -73,10 +74,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
         accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
             (each step's gradient copied to the host and summed there; no device acc), or "auto".
-        max_grad_norm: clip gradients at each step() to this total norm, exactly as
-            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before ``step()`` would; None: no clipping.
-        host_lr_scale: the host windows after warm-up step with lr times this (DESIGN §3); 1.0 is Adam's step;
-            "auto": the autotuner's choice.
+        max_grad_norm: clip gradients at each step() to this total norm exactly as ``clip_grad_norm_`` would, or None.
+        host_lr_scale: lr factor of the host windows after warm-up (DESIGN §3); 1.0 is Adam's step; "auto": the tuner's.
         grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
             accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
 
@@ -101,7 +100,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         topk_ratio: float | str = 0.1,
         update_interval: int | str = 4,
         select_interval: int | None = None,
-        warmup_steps: int = 0,
+        warmup_steps: int = 100,
         overlap: bool = True,
         min_offload_numel: int = 4096,
         cpu_threads: int | None = None,
@@ -112,7 +111,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         host_lr_scale: float | str = 1.0,
         grads_in_backward: bool = False,
-        overlap_steps: int | str | None = None,
+        overlap_steps: int | str | None = "auto",
+        quality_regime: str = "worst",
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         hyperparams(defaults, decoupled=self._decoupled)
@@ -122,7 +122,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
             accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
-            grads_in_backward=grads_in_backward, overlap_steps=overlap_steps,
+            grads_in_backward=grads_in_backward, overlap_steps=overlap_steps, quality_regime=quality_regime,
         )
         self._device: torch.device | None = None
         self._stats = Stats()
