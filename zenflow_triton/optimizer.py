@@ -70,6 +70,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
         grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
+        state_dtype: host exp_avg/exp_avg_sq dtype, "float32" or "bfloat16" (-4 B/param, stochastic rounding).
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
         accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
             (each step's gradient copied to the host and summed there; no device acc), or "auto".
@@ -106,7 +107,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         min_offload_numel: int = 4096,
         cpu_threads: int | None = None,
         backend: str = "auto",
-        grad_dtype: str = "float32",
+        grad_dtype: str = "float32", state_dtype: str = "float32",
         worker_timeout: float = 600.0,
         accumulate: str = "auto",
         max_grad_norm: float | None = None,
@@ -122,7 +123,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             warmup_steps=warmup_steps, overlap=overlap, min_offload_numel=min_offload_numel,
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
             accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
-            grads_in_backward=grads_in_backward, overlap_steps=overlap_steps,
+            grads_in_backward=grads_in_backward, overlap_steps=overlap_steps, state_dtype=state_dtype,
         )
         self._device: torch.device | None = None
         self._stats = Stats()
