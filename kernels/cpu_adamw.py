@@ -170,14 +170,13 @@ def _store_snap_masked_impl(snap, i, p, mask):
 # reduces to a plain load or store, so the fp32 kernels compile to what they were (no hash, no step read).
 
 _SR_SEED = U32(0x2545F491)  # reference.SR_SEED
-_HASH_I = U32(0x9E3779B1)
-_HASH_S = U32(0x85EBCA77)
 
 
 @register_jitable
 def _hash(i, step):
-    """reference.moment_noise: lowbias32 of (index * _HASH_I + step * _HASH_S + seed), all mod 2^32."""
-    x = U32(U32(U32(U32(i) * _HASH_I) + U32(U32(step) * _HASH_S)) + _SR_SEED)
+    """reference.moment_noise: lowbias32 of (index ^ rotate(step, 16) ^ seed), all mod 2^32."""
+    s = U32(step)
+    x = U32(U32(U32(i) ^ U32(U32(s << U16) | U32(s >> U16))) ^ _SR_SEED)
     x = U32(x ^ U32(x >> U16))
     x = U32(x * U32(0x7FEB352D))
     x = U32(x ^ U32(x >> U32(15)))

@@ -53,17 +53,18 @@ __all__ = [
 
 # Stochastic rounding of bf16 host moments (state_dtype="bfloat16"): 32 random bits per element and update, a hash of
 # (flat index, the column's step count, a fixed seed), so a run, its resume and every backend round alike. The low 16
-# bits round exp_avg, the high 16 bits exp_avg_sq. Hash: Wellons' lowbias32 (two multiplies; full avalanche).
+# bits round exp_avg, the high 16 bits exp_avg_sq. Hash: Wellons' lowbias32 (two multiplies; full avalanche) of
+# index ^ rotate(step, 16) ^ seed: distinct for one element at distinct steps and for distinct elements at one step,
+# with no multiply of its own (the kernel's arithmetic is what bounds it: docs/performance.md).
 SR_SEED = 0x2545F491
-_HASH_I = 0x9E3779B1
-_HASH_S = 0x85EBCA77
 _M32 = 0xFFFFFFFF
 
 
 def moment_noise(index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """The 32 random bits (int64 in [0, 2^32)) of element ``index`` at its column's step count ``step``
     (broadcastable integer tensors): ``cpu_adamw``'s ``_noise``."""
-    x = (index.to(torch.int64) * _HASH_I + step.to(torch.int64) * _HASH_S + SR_SEED) & _M32
+    s = step.to(torch.int64) & _M32
+    x = ((index.to(torch.int64) & _M32) ^ (((s << 16) | (s >> 16)) & _M32)) ^ SR_SEED
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
