@@ -3,7 +3,8 @@ bench/quality_fair.py's three tasks (its models, data, batches and summary; ZenF
 
     nice -n 5 python bench/quality_state_dtype.py --out bench/results/quality-state-dtype-2026-12-03
 
-Arguments are quality_fair.py's (its default grid: 3 seeds, 1000 long steps; a few minutes on one core). Its
+Arguments are quality_fair.py's ("--out", "--seeds", "--lrs", "--long-steps", ...; its default grid: 3 seeds, 1000
+long steps; a few minutes on one core). Its
 Markdown's command line names quality_fair.py: the arguments are the same.
 The two ZenFlow configurations differ only in ``state_dtype``; each is judged against AdamW's best, as there.
 """
