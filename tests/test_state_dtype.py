@@ -179,25 +179,22 @@ def test_host_bytes_drop_by_four_per_param(accumulate, dtype) -> None:
 
 
 def _run(state_dtype: str, steps: range, model: Net | None = None, opt: ZenFlowAdamW | None = None,
-         **knobs) -> tuple[Net, ZenFlowAdamW]:
-    model = model or Net()
+         device: str = "cpu", **knobs) -> tuple[Net, ZenFlowAdamW]:
+    model = model or Net().to(device)
     opt = opt or ZenFlowAdamW(model.parameters(), state_dtype=state_dtype, **{**KNOBS, **knobs})
     train_steps(model, opt, steps)
     return model, opt
 
 
-@pytest.mark.parametrize("accumulate", ["device", "host"])
-def test_resume_is_bit_for_bit(accumulate) -> None:
-    """Save mid-window (step 7 of windows of 3, selections every 6), resume in a fresh optimizer: the stochastic
-    rounding depends only on (index, step count), so both runs round alike."""
-    full_model, full_opt = _run("bfloat16", range(14), accumulate=accumulate)
-    model, opt = _run("bfloat16", range(7), accumulate=accumulate)
+def _resume_is_bit_for_bit(accumulate: str, device: str) -> None:
+    full_model, full_opt = _run("bfloat16", range(14), accumulate=accumulate, device=device)
+    model, opt = _run("bfloat16", range(7), accumulate=accumulate, device=device)
     sd = copy.deepcopy(opt.state_dict())
     opt.close()
     assert sd["zenflow"]["state_dtype"] == "bfloat16"
     for st in sd["state"].values():  # moments saved as fp32, as torch.optim.AdamW keeps them
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
-    resumed = Net()
+    resumed = Net().to(device)
     resumed.load_state_dict(model.state_dict())
     opt2 = ZenFlowAdamW(resumed.parameters(), state_dtype="bfloat16", accumulate=accumulate, **KNOBS)
     opt2.load_state_dict(sd)
@@ -213,6 +210,20 @@ def test_resume_is_bit_for_bit(accumulate) -> None:
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
     full_opt.close()
     opt2.close()
+
+
+@pytest.mark.parametrize("accumulate", ["device", "host"])
+def test_resume_is_bit_for_bit(accumulate) -> None:
+    """Save mid-window (step 7 of windows of 3, selections every 6), resume in a fresh optimizer: the stochastic
+    rounding depends only on (index, step count), so both runs round alike."""
+    _resume_is_bit_for_bit(accumulate, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", ["device", "host"])
+def test_resume_is_bit_for_bit_on_cuda(accumulate) -> None:
+    """The same on CUDA: pinned bf16 host moments, column moves through pinned fp32 staging."""
+    _resume_is_bit_for_bit(accumulate, "cuda")
 
 
 def test_bf16_moments_train_close_to_fp32() -> None:
