@@ -11,6 +11,7 @@ plus what every optimizer bench needs around them (memory held, closing, the ste
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,8 @@ HOST_HP = adam_hyperparams(HOST_TORCH_HP)
 # AdamW reads master, m, v, grad and writes master, m, v: fp32 grad 4 * 4 + 3 * 4 = 28. bf16 grad in and bf16
 # snapshot out: 12 + 2 read, 12 + 2 written = 28 as well. torch fused AdamW (fp32 grad) then a separate
 # fp32 -> bf16 copy of the weights: 28 + 4 read + 2 written = 34.
-BYTES_PER_PARAM = {"fp32": 28, "bf16": 28, "torch+copy": 34, "ceiling": 28}
+# "bf16 moments" (state_dtype="bfloat16"): master 4 + 4, m and v 2 + 2 each, bf16 grad 2, bf16 snapshot 2.
+BYTES_PER_PARAM = {"fp32": 28, "bf16": 28, "torch+copy": 34, "ceiling": 28, "bf16 moments": 20}
 
 
 # No cache=True here: numba's cache records the importing module's name, and this file is imported both as
@@ -86,6 +88,34 @@ def _ceiling_kernel(p, m, v, g, chunk):  # pragma: no cover - numba
     for c in prange((n + chunk - 1) // chunk):
         a = c * chunk
         _ceiling_run(p, m, v, g, np.uint64(a), np.uint64(min(a + chunk, n)))
+
+
+@njit(nogil=True)
+def _ceiling16_run(p, m, v, g, s, a, b):  # pragma: no cover - numba
+    # The bf16-moment kernel's traffic: fp32 p read and written, 16-bit m, v read and written, g read, s written.
+    for i in range(a, b):
+        gi = g[i]
+        p[i] = p[i] + np.float32(1.0)
+        m[i] = m[i] + gi
+        v[i] = v[i] + gi
+        s[i] = gi
+
+
+@njit(parallel=True, nogil=True)
+def _ceiling16_kernel(p, m, v, g, s, chunk):  # pragma: no cover - numba
+    n = p.shape[0]
+    for c in prange((n + chunk - 1) // chunk):
+        a = c * chunk
+        _ceiling16_run(p, m, v, g, s, np.uint64(a), np.uint64(min(a + chunk, n)))
+
+
+def ceiling_bf16_moments_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+    """:func:`ceiling_` for state_dtype="bfloat16" with bf16 grad and snapshot: 20 B/param, trivial math (the 16-bit
+    streams as int16 bits)."""
+    def bits(t: torch.Tensor):
+        return t.view(-1).view(torch.int16).numpy()
+
+    _ceiling16_kernel(p.view(-1).numpy(), bits(m), bits(v), bits(g), bits(s), 16384)
 
 
 def ceiling_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
@@ -122,6 +152,10 @@ def host_adamw_step(b: HostBuffers, slot: torch.Tensor, threads: int) -> Callabl
     return step
 
 
+def _bf16_moments(b: HostBuffers) -> HostBuffers:
+    return dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+
+
 def deepspeed_cpu_adam() -> type | None:
     """DeepSpeed's ``DeepSpeedCPUAdam`` when deepspeed imports and its C++ op builds, else None."""
     try:
@@ -138,7 +172,8 @@ def host_adamw_providers(
     """Each provider docs/performance.md's table compares, on its own buffers (never another's data).
 
     Providers: ``ceiling``; ``host_adamw fp32 <sel>``; ``torch fused``; ``host_adamw bf16 <sel>`` (bf16 grad in,
-    bf16 snapshot out); ``torch fused + bf16 copy`` (fp32 grad, then ``snapshot.copy_(param)``); ``deepspeed``
+    bf16 snapshot out); ``torch fused + bf16 copy`` (fp32 grad, then ``snapshot.copy_(param)``); ``ceiling bf16
+    moments`` and ``host_adamw bf16 moments <sel>`` (state_dtype="bfloat16", bf16 grad and snapshot); ``deepspeed``
     (``DeepSpeedCPUAdam``, when importable). ``names`` restricts the set (to keep memory down).
     Sets torch's and numba's thread counts for the process to ``threads``.
     """
@@ -183,6 +218,20 @@ def host_adamw_providers(
             step = opt.step
         out[label] = HostAdamWProvider(label, step, n, BYTES_PER_PARAM["torch+copy" if copy else "fp32"], 1.0,
                                        "bf16" if copy else "fp32")
+    if want("ceiling bf16 moments"):
+        c16 = _bf16_moments(make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16))
+        out["ceiling bf16 moments"] = HostAdamWProvider(
+            "ceiling bf16 moments",
+            lambda: ceiling_bf16_moments_(c16.master, c16.exp_avg, c16.exp_avg_sq, c16.grad, c16.snapshot),
+            n, BYTES_PER_PARAM["bf16 moments"], 1.0, "bf16 moments")
+    for s in selected:
+        label = f"host_adamw bf16 moments {s:.0%}"
+        if want(label):
+            b = _bf16_moments(make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16,
+                                                seed=5))
+            out[label] = HostAdamWProvider(label, host_adamw_step(b, make_slot(cols, s), threads), n,
+                                           BYTES_PER_PARAM["bf16 moments"], 1.0 - round(s * cols) / cols,
+                                           "bf16 moments")
     cpu_adam = deepspeed_cpu_adam() if want("deepspeed") else None
     if cpu_adam is not None:
         d = make_host_buffers(rows, cols, seed=3)

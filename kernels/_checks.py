@@ -127,13 +127,14 @@ def check_host_adamw_args(
     snapshot: torch.Tensor | None,
     count: int,
 ) -> tuple[int, int]:
-    """Host buffers are CPU tensors [R, C]; grad is the sum of ``count`` gradients in fp32 or bf16 (a landing
+    """Host buffers are CPU tensors [R, C] (moments fp32, or both bf16: state_dtype);
+    grad is the sum of ``count`` gradients in fp32 or bf16 (a landing
     buffer), or fp16 (an fp16 model's own gradient, read in place on CPU tensors)."""
     cpu = torch.device("cpu")
     _check_tensor("master", master, dtypes=(torch.float32,), ndim=2, device=cpu)
     rows, cols = master.shape
-    _check_tensor("exp_avg", exp_avg, dtypes=(torch.float32,), shape=(rows, cols), device=cpu)
-    _check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), shape=(rows, cols), device=cpu)
+    _check_tensor("exp_avg", exp_avg, dtypes=(torch.float32, torch.bfloat16), shape=(rows, cols), device=cpu)
+    _check_tensor("exp_avg_sq", exp_avg_sq, dtypes=(exp_avg.dtype,), shape=(rows, cols), device=cpu)
     _check_tensor("grad", grad, dtypes=MODEL_DTYPES, shape=(rows, cols), device=cpu)
     _check_tensor("slot", slot, dtypes=(torch.int32,), shape=(cols,), device=cpu)
     _check_tensor("col_step", col_step, dtypes=(torch.int32,), shape=(cols,), device=cpu)

@@ -47,6 +47,7 @@ from numba.extending import intrinsic, overload, register_jitable
 
 from ._checks import check_host_adamw_args
 from ._numba_utils import (
+    U16,
     U32,
     adamw_moments,
     bf16_round,
@@ -162,6 +163,91 @@ def _store_snap_masked_impl(snap, i, p, mask):
 
         return store_f16
     return None
+
+
+# --- bf16 moments (state_dtype="bfloat16"): stochastic rounding, the twin of reference.moment_noise/bf16_stochastic ---
+# Moments arrive as float32 arrays, or bf16 as uint16 bits (flat_view). Every helper below has an fp32 overload that
+# reduces to a plain load or store, so the fp32 kernels compile to what they were (no hash, no step read).
+
+_SR_SEED = U32(0x2545F491)  # reference.SR_SEED
+
+
+@register_jitable
+def _hash(i, step):
+    """reference.moment_noise: lowbias32 of (index ^ rotate(step, 16) ^ seed), all mod 2^32."""
+    s = U32(step)
+    x = U32(U32(U32(i) ^ U32(U32(s << U16) | U32(s >> U16))) ^ _SR_SEED)
+    x = U32(x ^ U32(x >> U16))
+    x = U32(x * U32(0x7FEB352D))
+    x = U32(x ^ U32(x >> U32(15)))
+    x = U32(x * U32(0x846CA68B))
+    return U32(x ^ U32(x >> U16))
+
+
+@register_jitable
+def _sr_bf16(x, noise):
+    """reference.bf16_stochastic on one element: bf16 bits (uint32) of ``x`` with 16 noise bits added below the cut."""
+    r = U32(U32(f32_bits(x) + noise) >> U16)
+    return U32(0x7FC0) if x != x else r
+
+
+def _noise(m, i, step):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_noise)
+def _noise_impl(m, i, step):
+    if m.dtype == types.uint16:
+        return lambda m, i, step: _hash(i, step)
+    return lambda m, i, step: U32(0)
+
+
+def _store_moment(arr, i, x, noise):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_store_moment)
+def _store_moment_impl(arr, i, x, noise):
+    if arr.dtype == types.uint16:
+
+        def store_bf16(arr, i, x, noise):
+            arr[i] = np.uint16(_sr_bf16(x, noise))
+
+        return store_bf16
+
+    def store_f32(arr, i, x, noise):
+        arr[i] = x
+
+    return store_f32
+
+
+def _store_moment_masked(arr, i, x, old, noise, mask):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_store_moment_masked)
+def _store_moment_masked_impl(arr, i, x, old, noise, mask):
+    # ``old`` is the raw element as loaded (float32, or the uint16 bits): blended back where ``mask`` is 0.
+    if arr.dtype == types.uint16:
+
+        def store_bf16(arr, i, x, old, noise, mask):
+            arr[i] = np.uint16(U32(_sr_bf16(x, noise) & mask) | U32(U32(old) & U32(~mask)))
+
+        return store_bf16
+
+    def store_f32(arr, i, x, old, noise, mask):
+        arr[i] = _blend(x, old, mask)
+
+    return store_f32
+
+
+@register_jitable
+def _prefetch_stream(arr, k):
+    """Prefetch ``_BLOCK`` elements of one stream from ``k``: one request per line (16-bit streams hold twice as many
+    elements per line)."""
+    step = _LINE_F32 if arr.itemsize == 4 else 2 * _LINE_F32
+    for line in range(_BLOCK // step):
+        _prefetch(arr, k + np.uint64(line * step))
 
 
 # --- the plan: per-column constants and the runs of columns to update --------------------------------------------
@@ -346,10 +432,9 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
     """Prefetch one block (``_BLOCK`` elements) of every stream, ``_PREFETCH_AHEAD`` elements ahead of ``i``."""
     k = i + _PREFETCH_AHEAD
     for line in range(_BLOCK // _LINE_F32):
-        q = k + np.uint64(line * _LINE_F32)
-        _prefetch(master, q)
-        _prefetch(exp_avg, q)
-        _prefetch(exp_avg_sq, q)
+        _prefetch(master, k + np.uint64(line * _LINE_F32))
+    _prefetch_stream(exp_avg, k)
+    _prefetch_stream(exp_avg_sq, k)
     for line in range(_BLOCK // (2 * _LINE_F32)):  # 16-bit streams hold twice as many elements per line
         q = k + np.uint64(line * 2 * _LINE_F32)
         _prefetch(grad, q)
@@ -366,7 +451,7 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
 
 
 @register_jitable(error_model="numpy")
-def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_size, inv_bc2, hp):
+def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, step_size, inv_bc2, hp):
     """Columns ``[a, b)`` of the row at flat offset ``base``, all updated, in prefetched blocks.
 
     ``step_size``/``inv_bc2`` are per-column arrays, or two scalars when the run is uniform (``_col``).
@@ -377,17 +462,18 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step_siz
         j1 = min(j0 + _BLOCK_U, b)
         for j in range(j0, j1):
             i = base + j
-            p, m, v = _adamw_step(master[i], exp_avg[i], exp_avg_sq[i], load_grad(grad, i), _col(step_size, j),
-                                  _col(inv_bc2, j), hp)
+            p, m, v = _adamw_step(master[i], load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
+                                  _col(step_size, j), _col(inv_bc2, j), hp)
+            noise = _noise(exp_avg, i, col_step[j])
             master[i] = p
-            exp_avg[i] = m
-            exp_avg_sq[i] = v
+            _store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
+            _store_moment(exp_avg_sq, i, v, U32(noise >> U16))
             store_snap(snapshot, i, p)
         j0 = j1
 
 
 @register_jitable(error_model="numpy")
-def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step_size, inv_bc2, hp):
+def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp):
     """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
     j0 = a
     while j0 < b:
@@ -396,22 +482,24 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, st
         for j in range(j0, j1):
             i = base + j
             p0 = master[i]
-            m0 = exp_avg[i]
+            m0 = exp_avg[i]  # raw: float32, or bf16 bits
             v0 = exp_avg_sq[i]
-            p, m, v = _adamw_step(p0, m0, v0, load_grad(grad, i), _col(step_size, j), _col(inv_bc2, j), hp)
+            p, m, v = _adamw_step(p0, load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
+                                  _col(step_size, j), _col(inv_bc2, j), hp)
+            noise = _noise(exp_avg, i, col_step[j])
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
             mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
             master[i] = _blend(p, p0, mask)
-            exp_avg[i] = _blend(m, m0, mask)
-            exp_avg_sq[i] = _blend(v, v0, mask)
+            _store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
+            _store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
             _store_snap_masked(snapshot, i, p, mask)
         j0 = j1
 
 
 @njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, step_size, inv_bc2, starts, stops,
-                       mixed, uniform, run_ss, run_ib, hp):
+def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, col_step, step_size, inv_bc2, starts,
+                       stops, mixed, uniform, run_ss, run_ib, hp):
     """Flat row-major buffers; one work item is one run of one row (rows outer: each thread streams through
     a contiguous range of rows under numba's static schedule)."""
     nrun = starts.shape[0]
@@ -426,11 +514,12 @@ def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, 
         # takes the general (mixed, per-column) loop even without selected columns: rarer, and one variant fewer
         # to compile (each costs ~1 s per dtype combination).
         if not uniform[k]:
-            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step_size, inv_bc2, hp)
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp)
         elif mixed[k]:
-            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, run_ss[k], run_ib[k], hp)
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, run_ss[k], run_ib[k],
+                       hp)
         else:
-            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, run_ss[k], run_ib[k], hp)
+            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, run_ss[k], run_ib[k], hp)
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------------
@@ -484,7 +573,8 @@ def host_adamw_(
         if plan_threads != previous:
             numba.set_num_threads(plan_threads)
         slot_np = slot.numpy()
-        plan = _plan(slot_np, col_step.numpy(), float(hp.lr), float(hp.beta1), float(hp.beta2), _CHUNK_COLS,
+        step_np = col_step.numpy()
+        plan = _plan(slot_np, step_np, float(hp.lr), float(hp.beta1), float(hp.beta2), _CHUNK_COLS,
                      _SKIP_BLOCK)
         visited = plan[-1]
         if visited == 0:
@@ -494,7 +584,7 @@ def host_adamw_(
             numba.set_num_threads(kernel_threads)
         snap = None if snapshot is None else flat_view(snapshot)
         _host_adamw_kernel(flat_view(master), flat_view(exp_avg), flat_view(exp_avg_sq), flat_view(grad), snap,
-                           cols, slot_np, *plan[:-1],
+                           cols, slot_np, step_np, *plan[:-1],
                            scalar_hyperparams(count, hp))
     finally:
         if numba.get_num_threads() != previous:
@@ -504,29 +594,30 @@ def host_adamw_(
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _SNAPSHOT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 _warm_lock = threading.Lock()
-_warmed: set[tuple[torch.dtype, torch.dtype | None]] = set()
+_warmed: set[tuple[torch.dtype, torch.dtype | None, torch.dtype]] = set()
 _WARMUP_HP = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
 
 def warmup(
     grad_dtypes: tuple[torch.dtype, ...] = _GRAD_DTYPES,
     snapshot_dtypes: tuple[torch.dtype | None, ...] = _SNAPSHOT_DTYPES,
+    state_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> None:
-    """Compile (or load from numba's on-disk cache) the kernels for these gradient and snapshot dtypes.
+    """Compile (or load from numba's on-disk cache) the kernels for these gradient, snapshot and moment dtypes.
 
-    By default all eight (fp32 or bf16 grad x no/fp32/bf16/fp16 snapshot): 3-5 s of compilation each on a cold
-    cache (the first run on a machine), ~0.1 s each when numba's cache is warm. An optimizer passes just the
-    dtypes it will use. Safe to call from several threads and more than once.
+    By default all eight fp32-moment kernels (fp32 or bf16 grad x no/fp32/bf16/fp16 snapshot): 3-5 s of compilation
+    each on a cold cache (the first run on a machine), ~0.1 s each when numba's cache is warm. An optimizer passes
+    just the dtypes it will use. Safe to call from several threads and more than once.
     """
     with _warm_lock:
         slot = torch.tensor([-1, 0], dtype=torch.int32)
         col_step = torch.ones(2, dtype=torch.int32)
-        for gdt in grad_dtypes:
-            for sdt in snapshot_dtypes:
-                if (gdt, sdt) in _warmed:
-                    continue
-                z = torch.zeros
-                snap = None if sdt is None else z(1, 2, dtype=sdt)
-                host_adamw_(z(1, 2), z(1, 2), z(1, 2), z(1, 2, dtype=gdt), count=1, slot=slot, col_step=col_step,
-                            hp=_WARMUP_HP, snapshot=snap)
-                _warmed.add((gdt, sdt))
+        z = torch.zeros
+        for key in ((g, s, m) for g in grad_dtypes for s in snapshot_dtypes for m in state_dtypes):
+            if key in _warmed:
+                continue
+            gdt, sdt, mdt = key
+            snap = None if sdt is None else z(1, 2, dtype=sdt)
+            host_adamw_(z(1, 2), z(1, 2, dtype=mdt), z(1, 2, dtype=mdt), z(1, 2, dtype=gdt), count=1, slot=slot,
+                        col_step=col_step, hp=_WARMUP_HP, snapshot=snap)
+            _warmed.add(key)

@@ -47,7 +47,39 @@ __all__ = [
     "merge_",
     "host_adamw_",
     "host_accumulate_",
+    "moment_noise",
+    "bf16_stochastic",
 ]
+
+# Stochastic rounding of bf16 host moments (state_dtype="bfloat16"): 32 random bits per element and update, a hash of
+# (flat index, the column's step count, a fixed seed), so a run, its resume and every backend round alike. The low 16
+# bits round exp_avg, the high 16 bits exp_avg_sq. Hash: Wellons' lowbias32 (two multiplies; full avalanche) of
+# index ^ rotate(step, 16) ^ seed: distinct for one element at distinct steps and for distinct elements at one step,
+# with no multiply of its own (the kernel's arithmetic is what bounds it: docs/performance.md).
+SR_SEED = 0x2545F491
+_M32 = 0xFFFFFFFF
+
+
+def moment_noise(index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits (int64 in [0, 2^32)) of element ``index`` at its column's step count ``step``
+    (broadcastable integer tensors): ``cpu_adamw``'s ``_noise``."""
+    s = step.to(torch.int64) & _M32
+    x = ((index.to(torch.int64) & _M32) ^ (((s << 16) | (s >> 16)) & _M32)) ^ SR_SEED
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def bf16_stochastic(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` to bf16, rounding the magnitude up with probability (dropped bits) / 2^16: ``noise`` (int64 in
+    [0, 2^16)) is added to the low 16 bits before they are cut. NaN gives 0x7FC0; values near the largest bf16 may
+    round to inf, as the magnitude's carry rolls into the exponent."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    r = ((u + noise) >> 16) & 0xFFFF
+    r = torch.where(torch.isnan(x), torch.full_like(r, 0x7FC0), r)
+    return torch.where(r >= 0x8000, r - 0x10000, r).to(torch.int16).view(torch.bfloat16)
 
 
 def adam_update_(
@@ -211,11 +243,13 @@ def host_adamw_(
     hp: AdamHyperparams,
     snapshot: torch.Tensor | None = None,
 ) -> None:
-    """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` fp32 state.
+    """Host AdamW on the unselected columns (``slot < 0``) of full ``[R, C]`` state: fp32 master, fp32 or bf16 moments.
 
     The gradient is the mean ``grad / count`` (``grad`` fp32, bf16 or fp16, the sum of ``count`` gradients).
     Updated columns of ``master`` are also written to ``snapshot`` in its dtype (round to nearest even),
-    when given; selected columns of every buffer are left untouched.
+    when given; selected columns of every buffer are left untouched. bf16 moments are widened, updated in fp32
+    (the master's step uses the fp32 values) and stored with :func:`bf16_stochastic`, the noise of element
+    ``r * C + j`` at ``col_step[j]`` (:func:`moment_noise`; low half for exp_avg, high half for exp_avg_sq).
     """
     check_host_adamw_args(master, exp_avg, exp_avg_sq, grad, slot=slot, col_step=col_step, snapshot=snapshot,
                           count=count)
@@ -229,8 +263,14 @@ def host_adamw_(
     g = grad.index_select(1, cols).float()
     if count != 1:
         g.div_(count)
+    m, v = m.float(), v.float()  # a copy of bf16 moments (index_select already copied fp32 ones)
     adam_update_(p, g, m, v, step=col_step[cols], hp=hp)
     master[:, cols] = p
+    if exp_avg.dtype == torch.bfloat16:
+        rows, width = master.shape
+        index = torch.arange(rows, dtype=torch.int64)[:, None] * width + cols[None, :]
+        noise = moment_noise(index, col_step[cols][None, :])
+        m, v = bf16_stochastic(m, noise & 0xFFFF), bf16_stochastic(v, noise >> 16)
     exp_avg[:, cols] = m
     exp_avg_sq[:, cols] = v
     if snapshot is not None:

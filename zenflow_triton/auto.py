@@ -35,8 +35,9 @@ choice_logger = logging.getLogger("zenflow_triton.auto")
 # five steps give four intervals, enough for a median that ignores the first, slower, step.
 AUTO_WARMUP_STEPS = 5
 
+# state_dtype is saved for the record (a checkpoint's moments are fp32 whatever it is) and stays this optimizer's.
 _CHECKPOINT_KEYS = ("topk_ratio", "update_interval", "select_interval", "cpu_threads", "host_lr_scale",
-                    "overlap_steps")
+                    "overlap_steps", "state_dtype")
 
 
 def announce(message: str, log: logging.Logger = choice_logger) -> None:

@@ -71,7 +71,7 @@ def save_offloaded(p: torch.Tensor, st: Mapping[str, Any], rec: OffloadedParam) 
         return to_saved(t, p, per_column=True) if sharded else t
 
     def full(host: torch.Tensor, compact: torch.Tensor) -> torch.Tensor:
-        out = host.clone()
+        out = host.to(torch.float32, copy=True)  # bf16 moments (state_dtype) are saved as fp32, as AdamW keeps them
         if cols.numel():
             out[:, cols] = compact.cpu()  # the compact state is in column order: slot = rank among the selected
         return rows(out)
@@ -401,6 +401,7 @@ def restore(opt: Any, state_dict: Mapping[str, Any]) -> None:
     # Everything new is allocated and filled first; the optimizer and the parameters change only once all of it
     # exists, so running out of host or device memory here leaves them as they were.
     offloaded, new_state = split_plan(plan)
+    note_state_dtype(zenflow, opt.config.state_dtype, bool(offloaded))
     loaded = opt._pipeline.stage_load(offloaded, zenflow.get("accumulate") if zenflow is not None else None)
     group_values = [{k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "zenflow")}
                     for sg in state_dict["param_groups"]]
@@ -432,3 +433,13 @@ def unpickle(opt: Any, state: Mapping[str, Any]) -> None:
     groups = [dict(g) for g in state["param_groups"]]
     type(opt).__init__(opt, groups, **{**state["defaults"], **state["config"]})
     opt.load_state_dict(state["saved"])
+
+
+def note_state_dtype(zenflow: Mapping[str, Any] | None, state_dtype: str, offloaded: bool) -> None:
+    """One INFO line when a checkpoint's host moments were kept in another dtype than this optimizer keeps them
+    (``state_dtype``; an AdamW state dict's are fp32): the saved fp32 values are converted on load."""
+    saved = (zenflow or {}).get("state_dtype") or "float32"
+    if offloaded and saved != state_dtype:
+        how = "rounded to nearest even" if state_dtype == "bfloat16" else "exactly"
+        retune.logger.info("zenflow_triton: load_state_dict: the checkpoint's host moments were kept in %s, this "
+                           "optimizer keeps them in %s: converted (%s)", saved, state_dtype, how)

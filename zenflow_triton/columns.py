@@ -93,7 +93,7 @@ def migrate_columns(
         src = old_slot[leaving].long()
         leaving_cpu = leaving.cpu()
         for dev_t, host_t in zip(compact, host):
-            host_t[:, leaving_cpu] = dev_t.index_select(1, src).cpu()
+            host_t[:, leaving_cpu] = dev_t.index_select(1, src).cpu().to(host_t.dtype)
         host_col_step[leaving_cpu] = col_step[leaving].cpu()
         d2h = leaving.numel() * (3 * rows * 4 + 4)
     new_compact = tuple(torch.empty((rows, k_new), dtype=torch.float32, device=device) for _ in range(3))
@@ -105,7 +105,7 @@ def migrate_columns(
         dst = new_slot[joining].long()
         joining_cpu = joining.cpu()
         for new_t, host_t in zip(new_compact, host):
-            new_t[:, dst] = host_t.index_select(1, joining_cpu).to(device)
+            new_t[:, dst] = host_t.index_select(1, joining_cpu).to(device, torch.float32)
         col_step[joining] = host_col_step[joining_cpu].to(device)
         h2d = joining.numel() * (3 * rows * 4 + 4)
     return new_compact, d2h, h2d, int(leaving.numel() + joining.numel())
@@ -358,7 +358,7 @@ def _write_leaving(m: ColumnMove, leaving: torch.Tensor, packed: torch.Tensor) -
     arrays."""
     rows, n = m.compact[0].shape[0], leaving.numel()
     for j, host_t in enumerate(m.host):
-        host_t[:, leaving] = packed[j * rows * n : (j + 1) * rows * n].view(rows, n)
+        host_t[:, leaving] = packed[j * rows * n : (j + 1) * rows * n].view(rows, n).to(host_t.dtype)
     m.host_col_step[leaving] = packed[3 * rows * n :].view(torch.int32)
 
 
@@ -444,7 +444,7 @@ def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
             staged = mode != _DIRECT or device.type != "cpu"
             blocks = [stage[j * rows * n : (j + 1) * rows * n].view(rows, n) for j in range(3 if staged else 0)]
             for block, t in zip(blocks, m.host):
-                torch.index_select(t, 1, joining, out=block)
+                _gather_columns(t, joining, block)
             torch.index_select(m.host_col_step, 0, joining, out=stage[size - n :].view(torch.int32))
             if mode == _DIRECT:  # the step counts alone to the device; the blocks go straight into place below
                 m.col_step[joining_dev] = _to_device(stage[size - n :], device).view(torch.int32)
@@ -465,7 +465,7 @@ def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
                 torch.empty((rows, k_new), dtype=torch.float32, device=device) for _ in range(3))
             for j, (new_t, host_t) in enumerate(zip(new_compact, m.host)):
                 if device.type == "cpu":
-                    torch.index_select(host_t, 1, joining, out=new_t)
+                    _gather_columns(host_t, joining, new_t)
                 else:  # from the pinned stage, which outlives the copy (the synchronization below)
                     new_t.copy_(blocks[j], non_blocking=True)
         else:
@@ -490,3 +490,11 @@ def _migrate_many(moves: Sequence[ColumnMove], old_host: Sequence[torch.Tensor],
                 _write_leaving(m, leaving, leave_host[lo : lo + size])
                 lo += size
     return out
+
+
+def _gather_columns(host_t: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = host_t[:, index]`` into fp32 ``out``; bf16 host moments (state_dtype) widen exactly."""
+    if host_t.dtype == out.dtype:
+        torch.index_select(host_t, 1, index, out=out)
+    else:
+        out.copy_(host_t.index_select(1, index))

@@ -43,6 +43,9 @@ class ZenFlowConfig:
     torch, any device), or auto (triton on CUDA, numba on CPU)."""
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient landing buffer on the host; bfloat16 halves device-to-host traffic."""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of exp_avg/exp_avg_sq on the host (the master and the device's compact state stay fp32); bfloat16 saves
+    4 B/param, each host update rounding them stochastically (docs/quality.md). Fixed for the optimizer's life."""
     worker_timeout: float = 600.0
     """Seconds step() waits for one host job before declaring the worker hung (RuntimeError)."""
     # Device memory (issue 18): where the window's gradient sum lives.
@@ -100,6 +103,8 @@ class ZenFlowConfig:
             raise ValueError(f"Invalid backend: {self.backend!r} (one of 'auto', 'triton', 'numba', 'torch')")
         if self.grad_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"Invalid grad_dtype: {self.grad_dtype!r} (one of 'float32', 'bfloat16')")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Invalid state_dtype: {self.state_dtype!r} (one of 'float32', 'bfloat16')")
         if not (isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
             raise ValueError(f"Invalid worker_timeout: {self.worker_timeout!r}")
         # Device memory (issue 18)

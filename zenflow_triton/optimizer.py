@@ -70,7 +70,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         cpu_threads: numba threads of the host worker (None: all cores but one, but two with CUDA parameters, and
             every core for a window that step() waits for anyway: warm-up steps and ``overlap=False``).
         backend: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on CPU).
-        grad_dtype: host gradient landing dtype, "float32" or "bfloat16" (halves device-to-host bytes).
+        grad_dtype, state_dtype: dtype of the host gradient landing buffer (bfloat16 halves device-to-host bytes),
+            of the host exp_avg/exp_avg_sq (bfloat16: -4 B/param, stochastic rounding); "float32" or "bfloat16".
         worker_timeout: seconds to wait for one host job before raising instead of hanging.
         accumulate: where the window's gradient sum lives: "device" (fp32 acc, 4 B/param on the device), "host"
             (each step's gradient copied to the host and summed there; no device acc), or "auto".
@@ -79,9 +80,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
             accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
 
-    Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never
-    changes the parameters, so a resumed run continues bit for bit. ``close()`` (or a ``with`` block)
-    stops the worker; it also stops at interpreter exit.
+    Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never changes the
+    parameters, so a resumed run continues bit for bit. ``close()`` (or ``with``) stops the worker, as does exit.
 
     On CPU tensors "device" and host memory are one and three copies are skipped (DESIGN §4); with ``overlap=False``
     an fp32 parameter is its own host master, so ``load_state_dict()`` writes the saved master into it.
@@ -105,7 +105,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         min_offload_numel: int = 4096,
         cpu_threads: int | None = None,
         backend: str = "auto",
-        grad_dtype: str = "float32",
+        grad_dtype: str = "float32", state_dtype: str = "float32",
         worker_timeout: float = 600.0,
         accumulate: str = "auto",
         max_grad_norm: float | None = None,
@@ -123,6 +123,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
             accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
             grads_in_backward=grads_in_backward, overlap_steps=overlap_steps, quality_regime=quality_regime,
+            state_dtype=state_dtype,
         )
         self._device: torch.device | None = None
         self._stats = Stats()

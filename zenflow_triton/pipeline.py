@@ -264,7 +264,7 @@ class Pipeline:
                 self._sums = HostSums(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
-                            host_sums=self.accumulate == "host")
+                            host_sums=self.accumulate == "host", state_dtype=self.config.state_dtype)
 
     @property
     def host_sums(self) -> bool:

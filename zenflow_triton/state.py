@@ -3,8 +3,8 @@ how they are allocated, initialized, saved and loaded.
 
 An offloaded parameter ``[R, C]`` keeps in ``optimizer.state[p]``:
 
-- host (slab views, pinned with CUDA): ``host_master``, ``host_exp_avg``, ``host_exp_avg_sq`` (fp32 ``[R, C]``),
-  ``host_col_step`` (int32 ``[C]``);
+- host (slab views, pinned with CUDA): ``host_master`` (fp32 ``[R, C]``), ``host_exp_avg``, ``host_exp_avg_sq``
+  (``[R, C]``, fp32, or bf16 with ``state_dtype="bfloat16"``), ``host_col_step`` (int32 ``[C]``);
 - device: ``score`` (fp32 ``[C]``), ``slot`` (int32 ``[C]``, -1 = unselected), ``col_step`` (int32 ``[C]``),
   the compact ``master``/``exp_avg``/``exp_avg_sq`` of the k selected columns (fp32 ``[R, k]``), ``acc`` (fp32
   ``[R, C]``, the unselected columns' gradient sum of the open window; with accumulate="host" a host slab view
@@ -95,7 +95,7 @@ class OffloadedParam:
 
 def allocate(
     params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, dict[str, Any]], *, grad_dtype: torch.dtype,
-    overlap: bool, host_sums: bool = False,
+    overlap: bool, host_sums: bool = False, state_dtype: str = "float32",
 ) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
     """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers; sets
     ``state[p]`` to its host entries (uninitialized) and returns the slab and each parameter's record.
@@ -106,12 +106,16 @@ def allocate(
     ``host_sums`` (accumulate="host"): instead of one landing buffer for the window sum, two fp32 window sums and
     two per-step landing slots, in bf16 with ``grad_dtype`` bfloat16, else in the gradient's own dtype (a bf16 or
     fp16 gradient widens to fp32 exactly, so landing it as it is halves the copy and changes nothing).
+
+    ``state_dtype`` "bfloat16": ``host_exp_avg``/``host_exp_avg_sq`` in bf16 (the host kernel rounds them
+    stochastically); the master stays fp32.
     """
+    moment_dtype = torch.bfloat16 if state_dtype == "bfloat16" else torch.float32
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
     alias = [p.device.type == "cpu" and p.dtype == torch.float32 and not overlap for p in params]
     for p, own_master in zip(params, alias):
         rows, cols = local_matrix_shape(p)
-        requests += [((rows, cols), torch.float32)] * (2 if own_master else 3)
+        requests += [((rows, cols), torch.float32)] * (0 if own_master else 1) + [((rows, cols), moment_dtype)] * 2
         requests.append(((cols,), torch.int32))
         if host_sums:
             slot_dtype = torch.bfloat16 if grad_dtype == torch.bfloat16 else p.dtype
