@@ -27,10 +27,10 @@ RING_CHUNKS = 4
 # A chunk is at most 1/64 of one step's landed gradient bytes (the ring at most 1/16 of them), never below
 # _MIN_CHUNK_BYTES (each piece is one copy and one add call: smaller pieces would spend a large model's step on
 # their overheads) unless the largest parameter's gradient is smaller, and never above _MAX_CHUNK_BYTES (the ring
-# then costs 256 MiB at most, 0.04 B/param on a 7B model).
+# then costs 64 MiB at most, 0.01 B/param on a 7B model).
 _RING_FRACTION = 64
 _MIN_CHUNK_BYTES = 256 << 10
-_MAX_CHUNK_BYTES = 64 << 20
+_MAX_CHUNK_BYTES = 16 << 20
 
 # A chunk claimed for a piece whose add is not submitted yet (it is in the batch being gathered).
 _GATHERING = object()
@@ -42,7 +42,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def ring_chunk_bytes(total_bytes: int, largest_bytes: int) -> int:
     """The ring's chunk size for a step that lands ``total_bytes`` of gradient, the largest parameter's gradient
-    being ``largest_bytes``: ``min(largest, max(total / 64, 256 KiB), 64 MiB)``, rounded up to 64 bytes."""
+    being ``largest_bytes``: ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, rounded up to 64 bytes."""
     share = max(-(-total_bytes // _RING_FRACTION), _MIN_CHUNK_BYTES)
     return _round_up(max(1, min(largest_bytes, share, _MAX_CHUNK_BYTES)), ALIGN_BYTES)
 
