@@ -366,16 +366,27 @@ def slot_bytes(param_bytes: int, grad_dtype: str) -> int:
     return GRAD_BYTES["bfloat16"] if grad_dtype == "bfloat16" else param_bytes
 
 
-def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device") -> float:
-    """Pinned host bytes per offloaded element (state.allocate's slab): fp32 master and moments, a snapshot in the
-    model dtype unless fp32, and with "device" one landing buffer in ``grad_dtype``, with "host" two fp32 window sums
-    and two landing slots (:func:`slot_bytes`). An fp32 CPU parameter with overlap=False is its own master (4 less)."""
+def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device", *, sums: int = 2,
+                         grads_in_backward: bool = False, shapes: tuple[tuple[int, int], ...] = ()) -> float:
+    """Pinned host bytes per offloaded element (state.allocate's slab, and accumulate="host"'s landing ring): fp32
+    master and moments, a snapshot in the model dtype unless fp32, and with "device" one landing buffer in
+    ``grad_dtype``; with "host" ``sums`` fp32 window sums (1 or 2: ``staging.window_sums``) and, with
+    ``grads_in_backward``, one capture slot (:func:`slot_bytes`), else the landing ring's bytes spread over
+    ``shapes`` (none given: the ring is left out, its share of a large model). An fp32 CPU parameter with
+    overlap=False is its own master (4 less). The per-column step counts (4 bytes per column) are left out."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
     snapshot = 0 if param_bytes == 4 else param_bytes
     if accumulate == "device":
         return STATE_BYTES + GRAD_BYTES[grad_dtype] + snapshot
-    return STATE_BYTES + 2 * ACC_BYTES + 2 * slot_bytes(param_bytes, grad_dtype) + snapshot
+    slot = slot_bytes(param_bytes, grad_dtype)
+    landing = float(slot) if grads_in_backward else 0.0
+    if shapes and not grads_in_backward:
+        from ..staging import ring_bytes  # the optimizer's own sizing rule (pure; imported where it is used)
+
+        sizes = [r * c * slot for r, c in shapes]
+        landing = ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
+    return STATE_BYTES + sums * ACC_BYTES + landing + snapshot
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:
