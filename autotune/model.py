@@ -23,7 +23,7 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 - device memory for the optimizer's device state: ``P * (acc_bytes + 12 * r)``, where ``acc_bytes`` is 4 with
   ``accumulate="device"`` and 0 with ``"host"`` (:func:`device_bytes_per_param`);
 - with ``accumulate="host"`` (:func:`predict`'s ``accumulate``) every step's gradient crosses to the host instead of
-  one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing slots (bf16 with
+  one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing ring (bf16 with
   ``grad_dtype="bfloat16"``, else the gradient's own dtype), ``add_s`` the ``U`` host adds into the fp32 window sum
   (read the sum and the landed gradient, write the sum: ``8 + slot_bytes`` bytes per element, one add per parameter)
   timed on the profile's measured add curve (:attr:`Profile.host_add`: bytes streamed against size, at the landing
@@ -72,6 +72,7 @@ __all__ = [
     "host_add_seconds",
     "host_assumptions",
     "host_bytes_per_param",
+    "landing_ring_bytes",
     "slot_bytes",
     "GRAD_BYTES",
     "STATE_BYTES",
@@ -382,11 +383,19 @@ def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "d
     slot = slot_bytes(param_bytes, grad_dtype)
     landing = float(slot) if grads_in_backward else 0.0
     if shapes and not grads_in_backward:
-        from ..staging import ring_bytes  # the optimizer's own sizing rule (pure; imported where it is used)
-
         sizes = [r * c * slot for r, c in shapes]
-        landing = ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
+        landing = landing_ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
     return STATE_BYTES + sums * ACC_BYTES + landing + snapshot
+
+
+def landing_ring_bytes(total_bytes: int, largest_bytes: int) -> int:
+    """accumulate="host"'s landing ring for a step that lands ``total_bytes`` of gradient (the largest parameter's
+    ``largest_bytes``): 4 chunks of ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, each rounded up to 64 bytes.
+    The optimizer's rule is ``zenflow_triton.staging.ring_bytes``; restated here so that the model imports nothing
+    outside the autotuner (tests/test_staging.py checks that the two agree)."""
+    share = max(-(-total_bytes // 64), 256 << 10)
+    chunk = max(1, min(largest_bytes, share, 16 << 20))
+    return 4 * (-(-chunk // 64) * 64)
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:
