@@ -23,7 +23,7 @@ Per *window* (``U`` steps; DESIGN §5) the model predicts, for an offloaded para
 - device memory for the optimizer's device state: ``P * (acc_bytes + 12 * r)``, where ``acc_bytes`` is 4 with
   ``accumulate="device"`` and 0 with ``"host"`` (:func:`device_bytes_per_param`);
 - with ``accumulate="host"`` (:func:`predict`'s ``accumulate``) every step's gradient crosses to the host instead of
-  one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing slots (bf16 with
+  one sum per window: ``d2h_s`` is ``U`` per-step copies of the whole gradients into the landing ring (bf16 with
   ``grad_dtype="bfloat16"``, else the gradient's own dtype), ``add_s`` the ``U`` host adds into the fp32 window sum
   (read the sum and the landed gradient, write the sum: ``8 + slot_bytes`` bytes per element, one add per parameter)
   timed on the profile's measured add curve (:attr:`Profile.host_add`: bytes streamed against size, at the landing
@@ -72,6 +72,7 @@ __all__ = [
     "host_add_seconds",
     "host_assumptions",
     "host_bytes_per_param",
+    "landing_ring_bytes",
     "slot_bytes",
     "GRAD_BYTES",
     "STATE_BYTES",
@@ -366,16 +367,35 @@ def slot_bytes(param_bytes: int, grad_dtype: str) -> int:
     return GRAD_BYTES["bfloat16"] if grad_dtype == "bfloat16" else param_bytes
 
 
-def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device") -> float:
-    """Pinned host bytes per offloaded element (state.allocate's slab): fp32 master and moments, a snapshot in the
-    model dtype unless fp32, and with "device" one landing buffer in ``grad_dtype``, with "host" two fp32 window sums
-    and two landing slots (:func:`slot_bytes`). An fp32 CPU parameter with overlap=False is its own master (4 less)."""
+def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device", *, sums: int = 2,
+                         grads_in_backward: bool = False, shapes: tuple[tuple[int, int], ...] = ()) -> float:
+    """Pinned host bytes per offloaded element (state.allocate's slab, and accumulate="host"'s landing ring): fp32
+    master and moments, a snapshot in the model dtype unless fp32, and with "device" one landing buffer in
+    ``grad_dtype``; with "host" ``sums`` fp32 window sums (1 or 2: ``staging.window_sums``) and, with
+    ``grads_in_backward``, one capture slot (:func:`slot_bytes`), else the landing ring's bytes spread over
+    ``shapes`` (none given: the ring is left out, its share of a large model). An fp32 CPU parameter with
+    overlap=False is its own master (4 less). The per-column step counts (4 bytes per column) are left out."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
     snapshot = 0 if param_bytes == 4 else param_bytes
     if accumulate == "device":
         return STATE_BYTES + GRAD_BYTES[grad_dtype] + snapshot
-    return STATE_BYTES + 2 * ACC_BYTES + 2 * slot_bytes(param_bytes, grad_dtype) + snapshot
+    slot = slot_bytes(param_bytes, grad_dtype)
+    landing = float(slot) if grads_in_backward else 0.0
+    if shapes and not grads_in_backward:
+        sizes = [r * c * slot for r, c in shapes]
+        landing = landing_ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
+    return STATE_BYTES + sums * ACC_BYTES + landing + snapshot
+
+
+def landing_ring_bytes(total_bytes: int, largest_bytes: int) -> int:
+    """accumulate="host"'s landing ring for a step that lands ``total_bytes`` of gradient (the largest parameter's
+    ``largest_bytes``): 4 chunks of ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, each rounded up to 64 bytes.
+    The optimizer's rule is ``zenflow_triton.staging.ring_bytes``; restated here so that the model imports nothing
+    outside the autotuner (tests/test_staging.py checks that the two agree)."""
+    share = max(-(-total_bytes // 64), 256 << 10)
+    chunk = max(1, min(largest_bytes, share, 16 << 20))
+    return 4 * (-(-chunk // 64) * 64)
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:

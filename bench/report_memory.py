@@ -1,6 +1,6 @@
 """Device bytes per parameter held and at peak over training steps (forward, backward, step), per optimizer.
 
-    python bench/report_memory.py [--steps 13] [--device cpu|cuda] [--layers 4] [--width 1024]
+    python bench/report_memory.py [--steps 13] [--device cpu|cuda] [--layers 4] [--width 1024] [--host]
 
 The model is an MLP of ``--layers`` square ``[width, width]`` linear layers (weights offloaded, biases resident),
 trained at r = 0.1, U = 4 for ``--steps`` steps; figures are bytes divided by the model's parameter count.
@@ -11,6 +11,10 @@ trained at r = 0.1, U = 4 for ``--steps`` steps; figures are bytes divided by th
 - On CPU tensors, where torch's allocations are what a GPU run holds on the device (the optimizer's host slabs are
   mmap'd, not torch allocations): ``torch.profiler.profile(profile_memory=True)``'s allocation events summed in
   time order from a fresh model (its weights, allocated before, added), held at each step's end and the peak.
+
+With ``--host``: instead, the host bytes per offloaded parameter that ``stats()["host_bytes_per_param"]`` counts
+(the slabs and the landing ring) after ``--steps`` steps, for every ZenFlowAdamW mode, also at ``overlap_steps=1``
+(one window sum with accumulate="host").
 
 Rows: ``torch AdamW`` (moments in the model dtype, on the device), ZenFlowAdamW ``accumulate="device"`` and
 ``"host"``, and ``"host"`` with ``grads_in_backward`` (the offloaded gradients consumed in backward), for fp32 and
@@ -29,7 +33,7 @@ from torch import nn
 
 from zenflow_triton import ZenFlowAdamW
 
-__all__ = ["MemoryFigures", "measure", "mlp", "optimizers"]
+__all__ = ["MemoryFigures", "host_bytes_per_param", "measure", "mlp", "optimizers"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,11 @@ def mlp(layers: int, width: int, dtype: torch.dtype, device: str) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device=device, dtype=dtype)
 
 
-def optimizers(topk_ratio: float = 0.1, update_interval: int = 4) -> dict[str, Callable[[nn.Module], object]]:
+def optimizers(topk_ratio: float = 0.1, update_interval: int = 4,
+               overlap_steps: int | None = None) -> dict[str, Callable[[nn.Module], object]]:
     """The optimizers compared, each built over a model's parameters."""
-    zen = dict(topk_ratio=topk_ratio, update_interval=update_interval, warmup_steps=0)  # the steady state
+    # warmup_steps=0: the steady state.
+    zen = dict(topk_ratio=topk_ratio, update_interval=update_interval, warmup_steps=0, overlap_steps=overlap_steps)
     return {
         "torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
         "ZenFlow device": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="device", **zen),
@@ -55,6 +61,17 @@ def optimizers(topk_ratio: float = 0.1, update_interval: int = 4) -> dict[str, C
         "ZenFlow host + grads_in_backward": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host",
                                                                    grads_in_backward=True, **zen),
     }
+
+
+def host_bytes_per_param(make_opt: Callable[[nn.Module], object], *, dtype: torch.dtype, device: str, steps: int,
+                         layers: int, width: int, batch: int = 8) -> float:
+    """``stats()["host_bytes_per_param"]`` of the optimizer ``make_opt`` builds, after ``steps`` steps."""
+    model = mlp(layers, width, dtype, device)
+    opt = make_opt(model)
+    _train(model, opt, steps, batch, lambda: None)
+    figure = opt.stats()["host_bytes_per_param"]
+    opt.close()
+    return figure
 
 
 def _train(model: nn.Module, opt, steps: int, batch: int, on_step_end: Callable[[], None]) -> None:
@@ -136,7 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--host", action="store_true", help="host bytes per parameter per mode instead")
     args = ap.parse_args(argv)
+    if args.host:
+        _print_host(args)
+        return
     print(f"{args.layers} x [{args.width}, {args.width}] MLP, r = 0.1, U = 4, {args.steps} steps, device "
           f"{args.device}; device bytes per parameter")
     print()
@@ -147,6 +168,23 @@ def main(argv: list[str] | None = None) -> None:
             fig = measure(make, dtype=dtype, device=args.device, steps=args.steps, layers=args.layers,
                           width=args.width)
             print(f"| {name} | {str(dtype).removeprefix('torch.')} | {fig.held:.2f} | {fig.peak:.2f} |")
+
+
+
+def _print_host(args: argparse.Namespace) -> None:
+    print(f"{args.layers} x [{args.width}, {args.width}] MLP, r = 0.1, U = 4, {args.steps} steps, device "
+          f"{args.device}; host bytes per offloaded parameter, stats()['host_bytes_per_param']")
+    print()
+    print("| optimizer | model | host B/param | host B/param, overlap_steps=1 |")
+    print("|---|---|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, make in optimizers().items():
+            if not name.startswith("ZenFlow"):
+                continue
+            figures = [host_bytes_per_param(mk, dtype=dtype, device=args.device, steps=args.steps,
+                                            layers=args.layers, width=args.width)
+                       for mk in (make, optimizers(overlap_steps=1)[name])]
+            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {figures[0]:.3f} | {figures[1]:.3f} |")
 
 
 if __name__ == "__main__":

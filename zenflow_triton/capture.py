@@ -7,8 +7,8 @@ at a time). The hook (:meth:`GradientCapture.capture`)
 - adds the gradient's column sums of squares (``ops.column_sumsq_``, the function the step path uses) into a
   per-step fp32 ``[C]`` buffer, added to the scores at ``step()``;
 - gathers the selected columns into a compact ``[R, k]`` device buffer in the parameter's dtype;
-- lands the whole gradient in this step's pinned host landing slot of accumulate="host" (on CUDA a non-blocking
-  copy on the device-to-host stream; on CPU tensors a copy);
+- lands the whole gradient in its pinned host capture slot of accumulate="host" (on CUDA a non-blocking copy on
+  the device-to-host stream; on CPU tensors a copy), once the last step's add has read the slot;
 
 and a second ``backward()`` before ``step()`` adds into all three in the parameter's dtype, which rounds exactly as
 ``.grad``'s accumulation does (on CUDA its host add waits for the copy in the training thread). Nothing captured
@@ -294,7 +294,7 @@ class GradientCapture:
         self._fired.add(p)
         if cap is None:
             sel = self._selection(p, st, rec)
-            host = rec.slots[pipeline.claim_slot()].view(rows, cols)
+            host = pipeline.capture_slot(p).view(rows, cols)
             score = self._scores.get(p)
             if score is None:
                 score = self._scores[p] = torch.zeros(cols, dtype=torch.float32, device=p.device)

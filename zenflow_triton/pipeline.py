@@ -35,6 +35,7 @@ from .host_memory import HostSlab
 from .host_sums import HostSums
 from .kernels import DeviceOps, load_device_ops
 from .sharding import local
+from .staging import MergeStaging, window_sums
 from .state import OffloadedParam, allocate, device_state_bytes, init_offloaded, load_offloaded, rehome
 from .telemetry import Stats
 from .worker import HostWorker, WorkerError, host_thread_share
@@ -76,11 +77,8 @@ class Pipeline:
         self.failure: BaseException | None = None
         self.closed = False
         self._ops: DeviceOps | None = None
-        # CUDA only. Per model dtype, a ring of device buffers that the merge's host-to-device copies land in, each
-        # entry [buffer, filled event (copy stream), free event (compute stream)]; two per dtype, so that one
-        # parameter's copy runs while the previous one's merge kernel reads the other buffer (see _merge).
-        self._staging: dict[torch.dtype, list[list[Any]]] = {}
-        self._staging_slots = 2
+        # CUDA only: the device buffers the merge's host-to-device copies land in (see _merge).
+        self._staging = MergeStaging()
         # CUDA only, grad_dtype="bfloat16": the one device buffer every window sum is rounded into before its copy
         # to the host (see _ship_sums).
         self._bf16_landing: torch.Tensor | None = None
@@ -189,9 +187,13 @@ class Pipeline:
         ``.grad``: the device state entries (``acc`` unless accumulate="host", the compact selected state, the
         per-column vectors) and the pipeline's buffers (staging, bf16 rounding, score deltas)."""
         total = device_state_bytes(self.records, state)
-        buffers = [entry[0] for ring in self._staging.values() for entry in ring]
-        buffers += [self._bf16_landing] + (self._sums.buffers() if self._sums is not None else [])
+        buffers = self._staging.buffers() + [self._bf16_landing] + (self._sums.buffers() if self._sums else [])
         return total + sum(t.numel() * t.element_size() for t in buffers if t is not None)
+
+    def host_slabs(self) -> list[HostSlab]:
+        """The host allocations it holds: the parameters' slabs and accumulate="host"'s landing ring."""
+        ring = self._sums.ring if self._sums is not None else None
+        return self.slabs + ([ring.slab] if ring is not None else [])
 
     # ------------------------------------------------------------------ host state
 
@@ -261,10 +263,14 @@ class Pipeline:
             # Decided once, before any device buffer exists (acc is allocated by init/load after this).
             self.accumulate, self.accumulate_reason = place_sums(params, self.config, placement)
             if self.accumulate == "host":
-                self._sums = HostSums(device)
+                self._sums = HostSums(device, capture=self.config.grads_in_backward)
+        cfg = self.config
+        # overlap_steps="auto" is 1 on CPU tensors (config.py): one window sum there; planned on a GPU, counted as 2.
+        fixed = cfg.without_planning(device.type) or cfg
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return allocate(params, state, grad_dtype=grad_dtype, overlap=self.config.overlap,
-                            host_sums=self.accumulate == "host", state_dtype=self.config.state_dtype)
+            return allocate(params, state, grad_dtype=grad_dtype, overlap=cfg.overlap, host_sums=self.host_sums,
+                            sums=window_sums(cfg.overlap, cfg.update_interval, fixed.overlap_steps),
+                            capture=cfg.grads_in_backward, state_dtype=cfg.state_dtype)
 
     @property
     def host_sums(self) -> bool:
@@ -282,20 +288,21 @@ class Pipeline:
     def land(self, landed: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], state: State, *,
              cpu_threads: int) -> None:
         """accumulate="host", after this step's fused kernels: each ``(p, grad, accumulate)``'s gradient to the host
-        and its add into the window sum (:meth:`.HostSums.land`; a wait for a landing slot counts as stall)."""
+        and its add into the window sum (:meth:`.HostSums.land`; a wait for a chunk of the landing ring counts as
+        stall). With one window sum a window's first add waits for the job in flight, which reads that sum."""
         try:
             self._sums.land(landed, self.records, state, self.stats, cpu_threads=cpu_threads,
                             wait=lambda job, worker: self._wait_job(job, worker, stall=True), copy_stream=self._d2h,
-                            test_delays=self.test_delays)
+                            test_delays=self.test_delays, after=self._job)
         except WorkerError as exc:
             self.failure = exc
             raise
 
-    def claim_slot(self) -> int:
-        """grads_in_backward: the landing slot the next :meth:`land` fills, once the add of two steps ago no longer
-        reads it (a wait counted as stall); a gradient captured in backward lands there directly."""
+    def capture_slot(self, p: torch.Tensor) -> torch.Tensor:
+        """grads_in_backward: ``p``'s capture slot, once the last step's add no longer reads it (a wait counted as
+        stall); a gradient captured in backward lands there directly."""
         try:
-            return self._sums.claim_slot(lambda job, worker: self._wait_job(job, worker, stall=True))
+            return self._sums.capture_slot(self.records[p], lambda job, worker: self._wait_job(job, worker, stall=True))
         except WorkerError as exc:
             self.failure = exc
             raise
@@ -549,22 +556,8 @@ class Pipeline:
             copy = self._h2d(p.device)
             # The host-to-device copy runs on its own stream, so the compute stream is not blocked by it (the kernels
             # queued before the merge keep running while it crosses PCIe); the compute stream waits for it only just
-            # before the merge kernel. Buffers rotate through a ring of two.
-            ring = self._staging.setdefault(p.dtype, [])
-            if len(ring) < self._staging_slots:
-                entry = [None, torch.cuda.Event(), torch.cuda.Event()]
-            else:
-                entry = ring.pop(0)
-            if entry[0] is None or entry[0].numel() < numel:
-                # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose
-                # last use of it (the merge kernel) came after the copy stream's last write (see `filled` below).
-                entry[0] = None
-                entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
-                # New memory, from the compute stream's pool: kernels queued on that stream before now may still read
-                # or write it (activations freed since). Its `free` event, which the copy below waits on, must then
-                # mark this point of the compute stream (for a new entry it was never recorded, and a wait on it
-                # did nothing: the copy could land while a queued kernel still used the memory).
-                entry[2].record(compute)
+            # before the merge kernel. Buffers rotate through a ring of two (MergeStaging).
+            entry = self._staging.take(p, numel, compute)
             buffer, filled, free = entry
             view = buffer[:numel].view(rec.rows, rec.cols)
             with torch.cuda.stream(copy):
@@ -583,7 +576,7 @@ class Pipeline:
                 torch.cuda._sleep(self.test_delays["merge"])
             ops.merge_(w2, view, st["slot"])
             free.record(compute)
-            ring.append(entry)
+            self._staging.put(p, entry)
         else:
             ops.merge_(w2, source, st["slot"])
         self.stats.h2d_bytes += source.numel() * source.element_size()

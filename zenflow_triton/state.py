@@ -8,7 +8,7 @@ An offloaded parameter ``[R, C]`` keeps in ``optimizer.state[p]``:
 - device: ``score`` (fp32 ``[C]``), ``slot`` (int32 ``[C]``, -1 = unselected), ``col_step`` (int32 ``[C]``),
   the compact ``master``/``exp_avg``/``exp_avg_sq`` of the k selected columns (fp32 ``[R, k]``), ``acc`` (fp32
   ``[R, C]``, the unselected columns' gradient sum of the open window; with accumulate="host" a host slab view
-  instead, one of the record's two ``sums``);
+  instead, one of the record's ``sums``);
 - counters: ``step``, ``acc_count`` (gradients in ``acc``), ``pending`` (a host result still to be merged into the
   parameter).
 
@@ -56,7 +56,7 @@ class OffloadedParam:
 
     rows: int
     cols: int
-    landing: torch.Tensor  # host gradient landing buffer [R, C], fp32 or bf16
+    landing: torch.Tensor | None  # host gradient landing buffer [R, C], fp32 or bf16 (None with accumulate="host")
     snapshot: torch.Tensor | None  # host model-dtype copy for the trip back; None: the fp32 master serves
     masks: ColumnMasks
     # The host master is the parameter's own memory (fp32 parameters on the CPU with overlap=False, see allocate).
@@ -72,17 +72,19 @@ class OffloadedParam:
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     _score_delta: torch.Tensor | None = None
-    # accumulate="host" (DESIGN §4): the window sum lives in host memory, in two fp32 buffers that alternate by
-    # window (the job of window w reads one while window w+1's steps are added into the other), and each step's
-    # gradient lands in one of two slots (the worker adds one step while the next one's copy lands). None on the
-    # device path, where ``acc`` is on the device and ``landing`` receives its sum once per window.
-    sums: tuple[torch.Tensor, torch.Tensor] | None = None
-    slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # accumulate="host" (DESIGN §4): the window sum lives in host memory, in one fp32 buffer or two that alternate
+    # by window (the job of window w reads one while window w+1's steps are added into the other;
+    # staging.window_sums), and each step's gradient lands in the pipeline's landing ring, or with
+    # grads_in_backward in the one capture slot of ``slots``, in ``slot_dtype``. None on the device path, where
+    # ``acc`` is on the device and ``landing`` receives its sum once per window.
+    sums: tuple[torch.Tensor, ...] | None = None
+    slots: tuple[torch.Tensor] | None = None
+    slot_dtype: torch.dtype | None = None
     parity: int = 0  # which of ``sums`` is the open window's (``state["acc"]``)
 
     def flip_sum(self, st: dict[str, Any]) -> None:
-        """accumulate="host", at a window end: the next window sums into the other buffer."""
-        self.parity ^= 1
+        """accumulate="host", at a window end: the next window sums into the other buffer, if there are two."""
+        self.parity = (self.parity + 1) % len(self.sums)
         st["acc"] = self.host["acc"] = self.sums[self.parity]
 
     def score_delta(self) -> torch.Tensor:
@@ -95,7 +97,7 @@ class OffloadedParam:
 
 def allocate(
     params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, dict[str, Any]], *, grad_dtype: torch.dtype,
-    overlap: bool, host_sums: bool = False, state_dtype: str = "float32",
+    overlap: bool, host_sums: bool = False, sums: int = 2, capture: bool = False, state_dtype: str = "float32",
 ) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
     """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers; sets
     ``state[p]`` to its host entries (uninitialized) and returns the slab and each parameter's record.
@@ -103,9 +105,11 @@ def allocate(
     An fp32 parameter on the CPU with ``overlap=False`` is its own host master: every host result is due in
     the parameter when ``step()`` returns, so a separate copy would only add a stream to every host pass.
 
-    ``host_sums`` (accumulate="host"): instead of one landing buffer for the window sum, two fp32 window sums and
-    two per-step landing slots, in bf16 with ``grad_dtype`` bfloat16, else in the gradient's own dtype (a bf16 or
-    fp16 gradient widens to fp32 exactly, so landing it as it is halves the copy and changes nothing).
+    ``host_sums`` (accumulate="host"): instead of one landing buffer for the window sum, ``sums`` fp32 window sums
+    (1 or 2: :func:`.staging.window_sums`) and, with ``capture`` (grads_in_backward), one capture slot that the
+    gradient lands in during backward; without it the gradients land in the pipeline's ring (not here). Landed
+    gradients are bf16 with ``grad_dtype`` bfloat16, else in the gradient's own dtype (a bf16 or fp16 gradient
+    widens to fp32 exactly, so landing it as it is halves the copy and changes nothing).
 
     ``state_dtype`` "bfloat16": ``host_exp_avg``/``host_exp_avg_sq`` in bf16 (the host kernel rounds them
     stochastically); the master stays fp32.
@@ -119,7 +123,7 @@ def allocate(
         requests.append(((cols,), torch.int32))
         if host_sums:
             slot_dtype = torch.bfloat16 if grad_dtype == torch.bfloat16 else p.dtype
-            requests += [((rows, cols), torch.float32)] * 2 + [((rows, cols), slot_dtype)] * 2
+            requests += [((rows, cols), torch.float32)] * sums + [((rows, cols), slot_dtype)] * int(capture)
         else:
             requests.append(((rows, cols), grad_dtype))
         if p.dtype != torch.float32:
@@ -134,19 +138,20 @@ def allocate(
         st["host_master"] = local(p).detach().view(rows, cols) if own_master else next(views)
         st["host_exp_avg"], st["host_exp_avg_sq"] = next(views), next(views)
         st["host_col_step"] = next(views)
-        sums = slots = None
+        held = slots = landing = None
         if host_sums:
-            sums, slots = (next(views), next(views)), (next(views), next(views))
-            landing = slots[0]
+            held = tuple(next(views) for _ in range(sums))
+            slots = (next(views),) if capture else None
         else:
             landing = next(views)
         snapshot = next(views) if p.dtype != torch.float32 else None
         records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
                                     masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
-                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p), sums=sums,
-                                    slots=slots, shape=tuple(local(p).shape), dtype=p.dtype)
+                                    host={key: st[key] for key in HOST_KEYS}, group=shard_group(p), sums=held,
+                                    slots=slots, shape=tuple(local(p).shape), dtype=p.dtype,
+                                    slot_dtype=torch.bfloat16 if grad_dtype == torch.bfloat16 else p.dtype)
         if host_sums:
-            st["acc"] = records[p].host["acc"] = sums[0]
+            st["acc"] = records[p].host["acc"] = held[0]
     return slab, records
 
 

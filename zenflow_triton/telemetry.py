@@ -71,7 +71,7 @@ def stats_of(opt: Any) -> dict[str, Any]:
     gradients are captured in backward (and how many offloaded ones were, for the last step). Host bytes are this
     process's (a sharded parameter's rows here); ``offloaded_params`` counts whole parameters."""
     pipeline, s = opt._pipeline, opt._stats
-    records, slabs = pipeline.records, pipeline.slabs
+    records, slabs = pipeline.records, pipeline.host_slabs()
     total_cols = sum(rec.cols for rec in records.values())
     selected_cols = sum(rec.cols - rec.masks.num_unselected for rec in records.values())
     local_numel = sum(rec.rows * rec.cols for rec in records.values())

@@ -1,0 +1,148 @@
+"""Staging buffers (DESIGN §4, §5): where data waits between a copy and the kernel that reads it.
+
+- :class:`LandingRing` (accumulate="host", without grads_in_backward): each step's offloaded gradients land, in
+  pieces, in a ring of :data:`RING_CHUNKS` pinned host chunks, and the adder drains each piece into its window sum.
+  The ring is bounded by a budget (:func:`ring_chunk_bytes`), not by the model: when every chunk is still waiting
+  for its add, the training thread waits for the oldest (back-pressure, counted as stall).
+- :class:`MergeStaging` (CUDA): the device buffers the merge's host-to-device copies land in.
+- :func:`window_sums`: how many fp32 window sums a schedule needs on the host (one where the next window's first
+  gradients can wait in the ring until the previous window's job has read its sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from .host_memory import ALIGN_BYTES, HostSlab
+
+__all__ = ["MergeStaging", "LandingRing", "RING_CHUNKS", "ring_bytes", "ring_chunk_bytes", "window_sums"]
+
+# Four chunks: one being filled by the copy, one being added, two slack for the copy and the adder to run at
+# different paces within a step.
+RING_CHUNKS = 4
+# A chunk is at most 1/64 of one step's landed gradient bytes (the ring at most 1/16 of them), never below
+# _MIN_CHUNK_BYTES (each piece is one copy and one add call: smaller pieces would spend a large model's step on
+# their overheads) unless the largest parameter's gradient is smaller, and never above _MAX_CHUNK_BYTES (the ring
+# then costs 64 MiB at most, 0.01 B/param on a 7B model).
+_RING_FRACTION = 64
+_MIN_CHUNK_BYTES = 256 << 10
+_MAX_CHUNK_BYTES = 16 << 20
+
+# A chunk claimed for a piece whose add is not submitted yet (it is in the batch being gathered).
+_GATHERING = object()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def ring_chunk_bytes(total_bytes: int, largest_bytes: int) -> int:
+    """The ring's chunk size for a step that lands ``total_bytes`` of gradient, the largest parameter's gradient
+    being ``largest_bytes``: ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, rounded up to 64 bytes."""
+    share = max(-(-total_bytes // _RING_FRACTION), _MIN_CHUNK_BYTES)
+    return _round_up(max(1, min(largest_bytes, share, _MAX_CHUNK_BYTES)), ALIGN_BYTES)
+
+
+def ring_bytes(total_bytes: int, largest_bytes: int) -> int:
+    """Host bytes of the landing ring for those gradients (:func:`ring_chunk_bytes` × :data:`RING_CHUNKS`)."""
+    return RING_CHUNKS * ring_chunk_bytes(total_bytes, largest_bytes)
+
+
+def window_sums(overlap: bool, update_interval: Any, overlap_steps: Any) -> int:
+    """fp32 window sums accumulate="host" keeps per parameter: one where the schedule waits for a window's job
+    within the next window's first step (``overlap=False``; ``overlap_steps=1``; ``overlap_steps`` None with
+    ``update_interval=1``): the next window's first add waits (in the adder, its gradient in staging) until that
+    job has read the sum. Else two, alternating by window, so the job reads one while the next window sums into the
+    other. "auto" values count as two (either count is exact; one only costs stall where the job runs longer)."""
+    if not overlap or overlap_steps == 1 or (overlap_steps is None and update_interval == 1):
+        return 1
+    return 2
+
+
+class LandingRing:
+    """A ring of :data:`RING_CHUNKS` host chunks of ``chunk_bytes`` (pinned with ``pin``), reused in order.
+
+    :meth:`claim` hands out the next chunk once the add that read it last is done (``wait``: the caller's, counted
+    as stall); :meth:`hold` marks it read by a job. A chunk holds a piece of one gradient, in any dtype."""
+
+    def __init__(self, chunk_bytes: int, *, pin: bool, device: torch.device | None = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.slab = HostSlab([((chunk_bytes,), torch.uint8)] * RING_CHUNKS, pin=pin, device=device)
+        self._busy: list[Any] = [None] * RING_CHUNKS  # per chunk: the add that reads it, _GATHERING, or None
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.nbytes
+
+    def pieces(self, numel: int, itemsize: int) -> Iterator[tuple[int, int]]:
+        """``(start, stop)`` element ranges that cover ``numel`` elements of ``itemsize`` bytes, one chunk each."""
+        per = self.chunk_bytes // itemsize
+        for start in range(0, numel, per):
+            yield start, min(numel, start + per)
+
+    def claim(self, wait: Callable[[Future], None], flush: Callable[[], None]) -> int:
+        """The next chunk, free: first ``flush()`` if its piece's add is still being gathered (not submitted), then
+        ``wait`` for that add."""
+        i = self._next
+        if self._busy[i] is _GATHERING:
+            flush()
+        job = self._busy[i]
+        if job is not None:
+            wait(job)
+        self._busy[i] = _GATHERING
+        self._next = (i + 1) % RING_CHUNKS
+        return i
+
+    def view(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Chunk ``i``'s first ``numel`` elements as ``dtype``."""
+        return self.slab.views[i].view(dtype)[:numel]
+
+    def hold(self, chunks: list[int], job: Future) -> None:
+        """``chunks`` are read by ``job`` (submitted): they are free once it is done."""
+        for i in chunks:
+            self._busy[i] = job
+
+    def drained(self) -> None:
+        """Every add submitted so far is done (the caller waited for the last)."""
+        self._busy = [None if b is not _GATHERING else b for b in self._busy]
+
+
+class MergeStaging:
+    """CUDA only. Per model dtype, a ring of two device buffers that the merge's host-to-device copies land in, each
+    entry ``[buffer, filled event (copy stream), free event (compute stream)]``: one parameter's copy runs while the
+    previous one's merge kernel reads the other buffer (``Pipeline._merge``)."""
+
+    SLOTS = 2
+
+    def __init__(self) -> None:
+        self.rings: dict[torch.dtype, list[list[Any]]] = {}
+
+    def take(self, p: torch.Tensor, numel: int, compute: torch.cuda.Stream) -> list[Any]:
+        """The next entry for ``p``'s dtype, its buffer at least ``numel`` elements (give it back with :meth:`put`)."""
+        ring = self.rings.setdefault(p.dtype, [])
+        entry = [None, torch.cuda.Event(), torch.cuda.Event()] if len(ring) < self.SLOTS else ring.pop(0)
+        if entry[0] is None or entry[0].numel() < numel:
+            # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose last
+            # use of it (the merge kernel) came after the copy stream's last write (the `filled` event).
+            entry[0] = None
+            entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
+            # New memory, from the compute stream's pool: kernels queued on that stream before now may still read or
+            # write it (activations freed since). Its `free` event, which the copy into it waits on, must then mark
+            # this point of the compute stream (for a new entry it was never recorded, and a wait on it did
+            # nothing: the copy could land while a queued kernel still used the memory).
+            entry[2].record(compute)
+        return entry
+
+    def put(self, p: torch.Tensor, entry: list[Any]) -> None:
+        self.rings[p.dtype].append(entry)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [entry[0] for ring in self.rings.values() for entry in ring if entry[0] is not None]
+
+    def clear(self) -> None:
+        self.rings.clear()
