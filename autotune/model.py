@@ -60,6 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .placement import host_views
 from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
 from .results import Plan, Prediction, format_count, format_seconds
 
@@ -366,16 +367,14 @@ def slot_bytes(param_bytes: int, grad_dtype: str) -> int:
     return GRAD_BYTES["bfloat16"] if grad_dtype == "bfloat16" else param_bytes
 
 
-def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device") -> float:
-    """Pinned host bytes per offloaded element (state.allocate's slab): fp32 master and moments, a snapshot in the
-    model dtype unless fp32, and with "device" one landing buffer in ``grad_dtype``, with "host" two fp32 window sums
-    and two landing slots (:func:`slot_bytes`). An fp32 CPU parameter with overlap=False is its own master (4 less)."""
+def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device",
+                         state_dtype: str = "float32") -> float:
+    """Pinned host bytes per offloaded element (state.allocate's slab): :func:`.placement.host_views` summed, the
+    one formula of the host layout (the per-column step counts and padding aside)."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
-    snapshot = 0 if param_bytes == 4 else param_bytes
-    if accumulate == "device":
-        return STATE_BYTES + GRAD_BYTES[grad_dtype] + snapshot
-    return STATE_BYTES + 2 * ACC_BYTES + 2 * slot_bytes(param_bytes, grad_dtype) + snapshot
+    views = host_views(accumulate=accumulate, param_bytes=param_bytes, grad_dtype=grad_dtype, state_dtype=state_dtype)
+    return float(sum(sum(each) for each in views.values()))
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:

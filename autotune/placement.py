@@ -12,13 +12,55 @@ the step's peak with a margin (the fewer PCIe bytes win when memory allows), els
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PLACEMENT_FRACTION", "Placement", "place_accumulation"]
+__all__ = ["HOST_COLUMN_BYTES", "PLACEMENT_FRACTION", "Placement", "host_bytes_per_element", "host_views",
+           "place_accumulation"]
 
 # Share of the memory left at the step's peak that the optimizer's device state may take with accumulate="device":
 # the rest absorbs allocator fragmentation and later growth (longer sequences, a larger evaluation batch). The same
 # margin as the autotuner's memory budget (bridge.MEMORY_BUDGET_FRACTION).
 PLACEMENT_FRACTION = 0.9
+
+
+# The host slab's per-column entry of every offloaded parameter: ``host_col_step`` (int32 [C]).
+HOST_COLUMN_BYTES = 4
+
+
+def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32", state_dtype: str = "float32",
+               own_master: bool = False, overlap_steps: int | None = None) -> dict[str, list[int]]:
+    """THE host layout of :func:`zenflow_triton.state.allocate`'s slab: per buffer, the bytes per offloaded element
+    of each of its views. One place: the pre-flight, the autotuner and the capacity table read it; a change to the
+    layout changes this function, and tests/test_host_budget.py checks it against ``stats()`` byte for byte.
+
+    ``param_bytes``: the model dtype's element size; ``own_master``: an fp32 CPU parameter with ``overlap=False``
+    (its own master, no host copy); ``state_dtype``: the moments' dtype; ``overlap_steps`` is read by layouts whose
+    window sums depend on it (none today). Per element, in the slab's order: fp32 ``master``, ``exp_avg``,
+    ``exp_avg_sq``; with "device" one ``landing`` buffer in ``grad_dtype``; with "host" two fp32 ``window_sums`` and
+    two ``landing_slots`` (bf16 with grad_dtype bfloat16, else the gradient's own dtype); a ``snapshot`` in the
+    model dtype unless fp32. Plus :data:`HOST_COLUMN_BYTES` per column, and each view padded to 64 bytes."""
+    if accumulate not in ("device", "host"):
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of ('device', 'host'))")
+    del overlap_steps  # today's layout keeps two window sums whatever the merge point
+    moment = 2 if state_dtype == "bfloat16" else 4
+    views = {"master": [] if own_master else [4], "exp_avg": [moment], "exp_avg_sq": [moment]}
+    if accumulate == "device":
+        views["landing"] = [2 if grad_dtype == "bfloat16" else 4]
+    else:
+        views["window_sums"] = [4, 4]
+        views["landing_slots"] = [2 if grad_dtype == "bfloat16" else param_bytes] * 2
+    views["snapshot"] = [] if param_bytes == 4 else [param_bytes]
+    return {k: v for k, v in views.items() if v}
+
+
+def host_bytes_per_element(config: Any, accumulate: str, param_bytes: int, *, own_master: bool = False) -> int:
+    """Host bytes per offloaded element for a :class:`~zenflow_triton.config.ZenFlowConfig` (or anything with its
+    fields) in mode ``accumulate`` (:func:`host_views` summed; the per-column step counts and padding aside)."""
+    views = host_views(accumulate=accumulate, param_bytes=param_bytes,
+                       grad_dtype=getattr(config, "grad_dtype", "float32"),
+                       state_dtype=getattr(config, "state_dtype", "float32"), own_master=own_master,
+                       overlap_steps=getattr(config, "overlap_steps", None))
+    return sum(sum(each) for each in views.values())
 
 
 @dataclass(frozen=True)
