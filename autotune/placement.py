@@ -71,18 +71,26 @@ class Placement:
     reason: str
     device_bytes: dict[str, float]
     host_step_s: float | None = None  # "host"'s per-step copy and add, when the rates are known
+    bound: str | None = None  # the memory that decided: "device", "host", or None (both fit: the fewer PCIe bytes)
 
 
 def place_accumulation(
     *, device: str, offloaded_numel: int, topk_ratio: float, available_bytes: float | None, grad_bytes: int = 4,
     d2h_bytes_per_s: float | None = None, host_add_bytes_per_s: float | None = None,
     fraction: float = PLACEMENT_FRACTION, what: str = "left at the step's peak",
+    host_bytes: dict[str, float] | None = None, host_available: float | None = None,
+    host_what: str = "available on the host",
 ) -> Placement:
     """``device``: "cuda" or "cpu"; ``offloaded_numel``: offloaded elements (this process's); ``topk_ratio``: r;
     ``available_bytes``: device memory left at the step's peak before the optimizer's state (None: unknown, then
     "device", today's path); ``grad_bytes``: bytes per element of a landed gradient; the rates (bytes per second)
     only add the per-step cost of "host" to the reason. ``what`` names ``available_bytes`` in the reason (the
-    autotuner's plan passes its memory budget, which holds its margin already, with ``fraction=1``)."""
+    autotuner's plan passes its memory budget, which holds its margin already, with ``fraction=1``).
+
+    ``host_bytes`` (per mode, what the host slab would hold) and ``host_available`` weigh host memory too: the mode
+    that fits both memories, "device" first (fewer PCIe bytes); when none does, the one that fits the host (the
+    pre-flight would refuse the other before allocating), else "host". ``Placement.bound`` says which memory
+    decided."""
     if offloaded_numel < 0 or not 0.0 <= topk_ratio <= 1.0:
         raise ValueError(f"Invalid placement inputs: offloaded_numel={offloaded_numel}, topk_ratio={topk_ratio}")
     compact = 12.0 * topk_ratio * offloaded_numel
@@ -103,8 +111,30 @@ def place_accumulation(
     budget = fraction * available_bytes
     cost = "" if step_s is None else f"; host would cost {step_s * 1e3:.2f} ms per step of copies and adds"
     room = (f"{fraction:.0%} of " if fraction < 1 else "") + f"the {gib(available_bytes)} {what}"
-    if sizes["device"] <= budget:
-        return Placement("device", f"the device state with the window sum ({gib(sizes['device'])}) fits in "
-                         f"{room}{cost}", sizes, step_s)
-    return Placement("host", f"the device state with the window sum ({gib(sizes['device'])}) does not fit in "
-                     f"{room}; without it {gib(sizes['host'])}{cost}", sizes, step_s)
+    on_host = host_bytes is not None and host_available is not None
+
+    def host_fits(mode: str) -> bool:
+        return not on_host or host_bytes[mode] <= host_available
+
+    def host_says(mode: str) -> str:
+        if not on_host:
+            return ""
+        verb = "fits in" if host_fits(mode) else "does not fit in"
+        return f"; its host state ({gib(host_bytes[mode])}) {verb} the {gib(host_available)} {host_what}"
+
+    device_fits = sizes["device"] <= budget
+    said = f"the device state with the window sum ({gib(sizes['device'])})"
+    if device_fits and host_fits("device"):
+        return Placement("device", f"{said} fits in {room}{host_says('device')}{cost}", sizes, step_s)
+    if not device_fits and host_fits("host"):
+        return Placement("host", f"{said} does not fit in {room}; without it {gib(sizes['host'])}"
+                         f"{host_says('host')}{cost}", sizes, step_s, bound="device")
+    if host_fits("device"):  # "host" would not fit the host; "device" does, though not the device's budget
+        return Placement("device", f'"host"{host_says("host")}; "device"{host_says("device")}, but {said} does '
+                         f"not fit in {room}: decided by host memory, device memory may run out", sizes, step_s,
+                         bound="host")
+    if device_fits:
+        return Placement("device", f"{said} fits in {room}{host_says('device')} (nor would \"host\"'s: decided by "
+                         "host memory)", sizes, step_s, bound="host")
+    return Placement("host", f"{said} does not fit in {room}; without it {gib(sizes['host'])}{host_says('host')} "
+                     "(neither mode fits both memories)", sizes, step_s, bound="device")
