@@ -184,3 +184,15 @@ def test_room_reads_cgroup_v1_and_rlimits(monkeypatch) -> None:
 def test_this_machine_has_a_room() -> None:
     room = host_room()
     assert room.bytes is not None and room.bytes > 0 and room.bound in room.bounds
+
+
+def test_the_knobs_offered_are_those_that_cut() -> None:
+    """An fp32 model with "host" and grads_in_backward: its fp32 landing slots halve with grad_dtype="bfloat16"
+    (28 -> 24 B/param), "device" needs grads_in_backward off (16); overlap_steps cuts nothing in today's layout."""
+    weights = _weights(_model(torch.float32))
+    cfg = ZenFlowConfig(accumulate="host", grads_in_backward=True)
+    cuts = host_budget._cuts(weights, cfg, host_need(weights, cfg, "host"))
+    assert [c.split(":")[0] for c in cuts][:2] == ['accumulate="device", grads_in_backward=False',
+                                                   'grad_dtype="bfloat16"']
+    assert "(16 B/param)" in cuts[0] and "(24 B/param)" in cuts[1]
+    assert not any("overlap_steps" in c for c in cuts)

@@ -16,7 +16,6 @@ can give, and the pre-flight that compares them before any host allocation.
 from __future__ import annotations
 
 import logging
-import resource
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+try:
+    import resource
+except ImportError:  # not POSIX (Windows): no rlimits to read
+    resource = None
 
 from .autotune.placement import HOST_COLUMN_BYTES, host_views
 from .sharding import local_matrix_shape
@@ -156,7 +160,9 @@ def _cgroup_rooms() -> dict[str, int]:
     return rooms
 
 
-def _rlimit(kind: int) -> int | None:
+def _rlimit(kind: int | None) -> int | None:
+    if kind is None:
+        return None
     soft, _hard = resource.getrlimit(kind)
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
@@ -172,12 +178,12 @@ def host_room(*, pinned: bool = False) -> HostRoom:
     if available is not None:
         bounds["MemAvailable"] = available
     bounds.update(_cgroup_rooms())
-    limit = _rlimit(resource.RLIMIT_AS)
+    limit = _rlimit(getattr(resource, "RLIMIT_AS", None))
     if limit is not None:
         bounds["RLIMIT_AS (ulimit -v)"] = max(0, limit - _status("VmSize"))
     pinned_left = None
     if pinned:
-        lock = _rlimit(resource.RLIMIT_MEMLOCK)
+        lock = _rlimit(getattr(resource, "RLIMIT_MEMLOCK", None))
         pinned_left = None if lock is None else max(0, lock - _status("VmLck"))
     if not bounds:
         return HostRoom(None, "unknown (no /proc/meminfo, cgroup or rlimit figure)", bounds, pinned_left)
