@@ -196,3 +196,36 @@ def test_the_knobs_offered_are_those_that_cut() -> None:
                                                    'grad_dtype="bfloat16"']
     assert "(16 B/param)" in cuts[0] and "(24 B/param)" in cuts[1]
     assert not any("overlap_steps" in c for c in cuts)
+
+
+_ULIMIT_V = r"""
+import resource, torch
+from zenflow_triton import ZenFlowAdamW
+from zenflow_triton.host_budget import HostMemoryError
+model = torch.nn.Linear(4096, 2048, bias=False).to(torch.bfloat16)  # 8.4M elements: a 151 MiB slab with "device"
+opt = ZenFlowAdamW(model.parameters(), lr=1e-3, accumulate="device")
+model(torch.randn(2, 4096, dtype=torch.bfloat16)).float().sum().backward()
+used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, hard))  # ulimit -v: 64 MiB more than mapped now
+try:
+    opt.step()
+except HostMemoryError as exc:
+    print("REFUSED", exc.bound, exc.needed)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+opt.step()
+print("RETRY", opt.stats()["host_bytes"])
+"""
+
+
+def test_a_real_address_space_limit_refuses_then_a_retry_works() -> None:
+    """``ulimit -v`` for real, in a child process: the pre-flight reads RLIMIT_AS less the address space in use and
+    refuses; once the limit is lifted the same step runs."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ULIMIT_V], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused, retry = [line.split() for line in out.stdout.splitlines() if line.startswith(("REFUSED", "RETRY"))]
+    assert refused[:3] == ["REFUSED", "RLIMIT_AS", "(ulimit"] and int(refused[-1]) == int(retry[1])
+    assert int(retry[1]) == 4096 * 2048 * 18 + 4 * 4096
