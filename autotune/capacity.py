@@ -20,8 +20,10 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
-from .model import device_bytes_per_param, host_bytes_per_param
+from .model import device_bytes_per_param
+from .placement import host_bytes_per_element
 
 __all__ = ["GPU_USABLE", "HOST_USABLE", "MACHINES", "PEERS_HOST", "Mode", "fit_report", "largest", "machines_table",
            "max_report", "modes"]
@@ -58,17 +60,26 @@ def _has_state_dtype() -> bool:
 
 
 def modes(*, param_bytes: int = 2, grad_dtype: str = "float32", topk_ratio: float = 0.1) -> list[Mode]:
-    """Each accumulate mode (and ``grads_in_backward``; with bf16 moments where the optimizer has them), at
-    ``topk_ratio``, for a model of ``param_bytes`` per element."""
+    """Each accumulate mode (and ``grads_in_backward``; with bf16 moments where the optimizer has them, and with
+    ``overlap_steps=1`` where the layout holds less with it), at ``topk_ratio``, for a model of ``param_bytes`` per
+    element."""
     out = []
     moments = ["float32"] + (["bfloat16"] if _has_state_dtype() else [])
     for state in moments:
-        suffix = ', state_dtype="bfloat16"' if state == "bfloat16" else ""
         for label, mode, grads in (('accumulate="device"', "device", param_bytes),
                                    ('accumulate="host"', "host", param_bytes),
                                    ('"host" + grads_in_backward', "host", 0)):
-            out.append(Mode(label + suffix, param_bytes + grads + device_bytes_per_param(topk_ratio, mode),
-                            host_bytes_per_param(param_bytes, grad_dtype, mode, state)))
+            device = param_bytes + grads + device_bytes_per_param(topk_ratio, mode)
+            default = None
+            for steps in (None, 1):
+                knobs = SimpleNamespace(grad_dtype=grad_dtype, state_dtype=state, overlap_steps=steps)
+                host = float(host_bytes_per_element(knobs, mode, param_bytes))
+                if host == default:
+                    continue
+                default = host if default is None else default
+                suffix = (', state_dtype="bfloat16"' if state == "bfloat16" else "") + (
+                    ", overlap_steps=1" if steps else "")
+                out.append(Mode(label + suffix, device, host))
     return out
 
 

@@ -65,7 +65,8 @@ def test_plot_docs_shares_the_rule_and_the_peers() -> None:
     assert plot_docs.MACHINES is capacity.MACHINES
     # The peers' rows of the machines table are the record's (the docs' table) verbatim.
     record = (ROOT / "bench/results/memory-2026-12-03.md").read_text(encoding="utf-8").splitlines()
-    peers = [line for line in machines_table().splitlines() if "host B/param) |" in line and not line.startswith("| ZenFlowAdamW")]
+    peers = [line for line in machines_table().splitlines()
+             if "host B/param) |" in line and not line.startswith("| ZenFlowAdamW")]
     assert len(peers) == len(capacity.PEERS_HOST) and all(line in record for line in peers)
 
 
@@ -82,3 +83,18 @@ def test_module_prints_the_machines_table(capsys) -> None:
     assert capacity.main() == 0
     out = capsys.readouterr().out
     assert "| 24 GB GPU / 64 GB host |" in out and "FSDP2 `CPUOffloadPolicy` (16 host B/param)" in out
+
+
+def test_a_layout_leaner_at_overlap_steps_1_gets_its_own_row(monkeypatch) -> None:
+    """Rows follow the formula: where host_views holds less with overlap_steps=1 (one window sum), that setting is
+    a row of its own; today's layout holds the same, so there is none."""
+    assert not any("overlap_steps" in m.label for m in modes())
+    real = capacity.host_bytes_per_element
+
+    def leaner(knobs, mode, param_bytes):
+        return real(knobs, mode, param_bytes) - (4 if mode == "host" and knobs.overlap_steps == 1 else 0)
+
+    monkeypatch.setattr(capacity, "host_bytes_per_element", leaner)
+    rows = {m.label: m.host for m in modes()}
+    assert rows['accumulate="host", overlap_steps=1'] == 22.0 and rows['accumulate="host"'] == 26.0
+    assert 'accumulate="device", overlap_steps=1' not in rows
