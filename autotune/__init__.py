@@ -8,13 +8,17 @@ The modules, each importing only those listed before it:
 - :mod:`.profile`: the measured figures (:class:`Profile` and its parts), to and from plain dicts;
 - :mod:`.quality`: the loss ratio vs AdamW over ``(topk_ratio, U)``, measured on the demo's fine-tune and shipped
   as data (:class:`QualityTable`); users can pass their own;
+- :mod:`.placement`: where ``accumulate="auto"`` keeps the window sum (:func:`place_accumulation`, pure), and the
+  one formula of the host layout (``host_views``);
 - :mod:`.model`: the pure cost model and chooser (:func:`plan`, :func:`predict`, :func:`stall_grid`), which weighs
   the predicted step time against the quality table's loss ratio;
-- :mod:`.placement`: where ``accumulate="auto"`` keeps the window sum (:func:`place_accumulation`, pure);
 - :mod:`.probes`: touches hardware and returns a :class:`Profile` (:func:`probe_machine`);
 - :mod:`.cache`: the profile as versioned JSON in a per-user, per-machine file;
 - :mod:`.bridge`: :func:`plan_for_optimizer`, what the optimizer's ``"auto"`` calls (profile lookup, memory
   budget, the config's defaults); it imports :mod:`zenflow_triton.config`, never the optimizer;
+- :mod:`.capacity`: the biggest model per mode that fits a machine's GPU and host memory (``--params`` alone,
+  ``--max-params``, ``python -m zenflow_triton.autotune.capacity``); it reads this machine through
+  :mod:`zenflow_triton.host_budget` on first use;
 - ``__main__``: the command line.
 
 Importing this package neither compiles numba kernels nor initializes CUDA, and imports no torch: :mod:`.probes`

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan from a saved profile instead of measuring (default: the usual location)")
     plan_group = parser.add_argument_group("planning for a model")
     plan_group.add_argument("--params", type=_count, metavar="N",
-                            help="offloaded parameter count (7e9, 7B, 125M); needs --step-time")
+                            help="offloaded parameter count (7e9, 7B, 125M): with --step-time, the plan; alone, "
+                                 "each mode's device and host bytes and whether they fit this machine (no measuring)")
     plan_group.add_argument("--step-time", type=_positive, metavar="S",
                             help="seconds per training step outside the optimizer; needs --params")
     plan_group.add_argument("--param-dtype", choices=sorted(_PARAM_BYTES), default="bfloat16")
@@ -181,10 +182,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--show-profile", action="store_true",
                         help="with --load, print the profile's measured figures too (a measuring run always does)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    _add_capacity_flags(plan_group)
     adv = parser.add_argument_group("advanced (smaller measurements)")
     adv.add_argument("--adamw-numel", type=_count, metavar="N", help="elements per timed host AdamW call")
     adv.add_argument("--max-copy-bytes", type=_count, metavar="N", help="largest copy size measured")
     return parser
+
+
+def _add_capacity_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-params", action="store_true",
+                       help="print the largest model per mode whose training state fits this machine's GPU and "
+                            "host memory (no measuring; --param-dtype, --grad-dtype apply)")
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    """``--params N`` alone or ``--max-params``: the capacity answer (:mod:`.capacity`), from the layout formulas
+    and this machine's memories, without measuring anything."""
+    from .capacity import fit_report, max_report
+
+    knobs = {"param_bytes": _PARAM_BYTES[args.param_dtype], "grad_dtype": args.grad_dtype}
+    print(max_report(**knobs) if args.max_params else fit_report(float(args.params), **knobs))
+    return EXIT_OK
 
 
 def probe_machine(*args: Any, **kwargs: Any) -> Profile:
@@ -269,8 +287,12 @@ def _calmer_saved(target: Path, profile: Profile) -> Profile | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.params is None) != (args.step_time is None):
-        parser.error("--params and --step-time go together")
+    if args.max_params and (args.params is not None or args.step_time is not None):
+        parser.error("--max-params answers for every model size: leave out --params and --step-time")
+    if args.max_params or (args.params is not None and args.step_time is None):
+        return _capacity(args)
+    if args.params is None and args.step_time is not None:
+        parser.error("--step-time needs --params")
     if args.load is not None and (args.output is not None or args.no_save or args.quick or args.force):
         parser.error("--load reads a saved profile; --quick, --output, --no-save and --force apply to measuring")
     if args.plot is not None:

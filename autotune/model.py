@@ -60,6 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .placement import host_views
 from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
 from .results import Plan, Prediction, format_count, format_seconds
 
@@ -368,24 +369,22 @@ def slot_bytes(param_bytes: int, grad_dtype: str) -> int:
 
 
 def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device", *, sums: int = 2,
-                         grads_in_backward: bool = False, shapes: tuple[tuple[int, int], ...] = ()) -> float:
-    """Pinned host bytes per offloaded element (state.allocate's slab, and accumulate="host"'s landing ring): fp32
-    master and moments, a snapshot in the model dtype unless fp32, and with "device" one landing buffer in
-    ``grad_dtype``; with "host" ``sums`` fp32 window sums (1 or 2: ``staging.window_sums``) and, with
-    ``grads_in_backward``, one capture slot (:func:`slot_bytes`), else the landing ring's bytes spread over
-    ``shapes`` (none given: the ring is left out, its share of a large model). An fp32 CPU parameter with
-    overlap=False is its own master (4 less). The per-column step counts (4 bytes per column) are left out."""
+                         grads_in_backward: bool = False, shapes: tuple[tuple[int, int], ...] = (),
+                         state_dtype: str = "float32") -> float:
+    """Pinned host bytes per offloaded element: state.allocate's slab (:func:`.placement.host_views` summed, the one
+    formula of the host layout; ``sums`` window sums with "host", a capture slot with ``grads_in_backward``) and,
+    with "host" without ``grads_in_backward``, the landing ring's bytes spread over ``shapes`` (none given: the ring
+    is left out, its share of a large model). The per-column step counts (4 bytes per column) are left out."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
-    snapshot = 0 if param_bytes == 4 else param_bytes
-    if accumulate == "device":
-        return STATE_BYTES + GRAD_BYTES[grad_dtype] + snapshot
-    slot = slot_bytes(param_bytes, grad_dtype)
-    landing = float(slot) if grads_in_backward else 0.0
-    if shapes and not grads_in_backward:
+    views = host_views(accumulate=accumulate, param_bytes=param_bytes, grad_dtype=grad_dtype, state_dtype=state_dtype,
+                       sums=sums, capture=grads_in_backward)
+    ring = 0.0
+    if accumulate == "host" and shapes and not grads_in_backward:
+        slot = slot_bytes(param_bytes, grad_dtype)
         sizes = [r * c * slot for r, c in shapes]
-        landing = landing_ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
-    return STATE_BYTES + sums * ACC_BYTES + landing + snapshot
+        ring = landing_ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
+    return float(sum(sum(each) for each in views.values())) + ring
 
 
 def landing_ring_bytes(total_bytes: int, largest_bytes: int) -> int:

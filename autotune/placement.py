@@ -12,13 +12,81 @@ the step's peak with a margin (the fewer PCIe bytes win when memory allows), els
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PLACEMENT_FRACTION", "Placement", "place_accumulation"]
+__all__ = ["HOST_COLUMN_BYTES", "PLACEMENT_FRACTION", "Placement", "host_bytes_per_element", "host_views",
+           "layout_of", "place_accumulation", "window_sums"]
 
 # Share of the memory left at the step's peak that the optimizer's device state may take with accumulate="device":
 # the rest absorbs allocator fragmentation and later growth (longer sequences, a larger evaluation batch). The same
 # margin as the autotuner's memory budget (bridge.MEMORY_BUDGET_FRACTION).
 PLACEMENT_FRACTION = 0.9
+
+
+# The host slab's per-column entry of every offloaded parameter: ``host_col_step`` (int32 [C]).
+HOST_COLUMN_BYTES = 4
+
+
+def window_sums(overlap: bool, update_interval: Any, overlap_steps: Any) -> int:
+    """fp32 window sums accumulate="host" keeps per parameter: one where the schedule waits for a window's job
+    within the next window's first step (``overlap=False``; ``overlap_steps=1``; ``overlap_steps`` None with
+    ``update_interval=1``): the next window's first add waits (in the adder, its gradient in staging) until that
+    job has read the sum. Else two, alternating by window, so the job reads one while the next window sums into the
+    other. "auto" values count as two (either count is exact; one only costs stall where the job runs longer)."""
+    if not overlap or overlap_steps == 1 or (overlap_steps is None and update_interval == 1):
+        return 1
+    return 2
+
+
+def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32", state_dtype: str = "float32",
+               own_master: bool = False, sums: int = 2, capture: bool = False) -> dict[str, list[int]]:
+    """THE host layout of :func:`zenflow_triton.state.allocate`'s slab: per buffer, the bytes per offloaded element
+    of each of its views. One place: the pre-flight, the autotuner and the capacity table read it; a change to the
+    layout changes this function, and tests/test_host_budget.py checks it against ``stats()`` byte for byte.
+
+    ``param_bytes``: the model dtype's element size; ``own_master``: an fp32 CPU parameter with ``overlap=False``
+    (its own master, no host copy); ``state_dtype``: the moments' dtype. Per element, in the slab's order: fp32
+    ``master``, ``exp_avg``, ``exp_avg_sq``; with "device" one ``landing`` buffer in ``grad_dtype``; with "host"
+    ``sums`` fp32 ``window_sums`` (:func:`window_sums`) and, with ``capture`` (grads_in_backward), one
+    ``capture_slot`` (bf16 with grad_dtype bfloat16, else the gradient's own dtype); a ``snapshot`` in the model
+    dtype unless fp32. Plus :data:`HOST_COLUMN_BYTES` per column, and each view padded to 64 bytes. Without
+    ``capture``, "host" lands gradients in the pipeline's ring (``staging.ring_bytes``), not in the slab."""
+    if accumulate not in ("device", "host"):
+        raise ValueError(f"Invalid accumulate: {accumulate!r} (one of ('device', 'host'))")
+    moment = 2 if state_dtype == "bfloat16" else 4
+    views = {"master": [] if own_master else [4], "exp_avg": [moment], "exp_avg_sq": [moment]}
+    if accumulate == "device":
+        views["landing"] = [2 if grad_dtype == "bfloat16" else 4]
+    else:
+        views["window_sums"] = [4] * sums
+        views["capture_slot"] = [2 if grad_dtype == "bfloat16" else param_bytes] if capture else []
+    views["snapshot"] = [] if param_bytes == 4 else [param_bytes]
+    return {k: v for k, v in views.items() if v}
+
+
+def layout_of(config: Any, device_type: str | None = "cuda") -> dict[str, Any]:
+    """:func:`host_views`' keywords for a :class:`~zenflow_triton.config.ZenFlowConfig` (or anything with its
+    fields; absent ones take the config's defaults) on ``device_type``'s tensors: ``overlap_steps="auto"`` is 1 on
+    CPU tensors with the other knobs fixed (``ZenFlowConfig.without_planning``), else planned: counted as two sums."""
+    overlap = getattr(config, "overlap", True)
+    u = getattr(config, "update_interval", 4)
+    k = getattr(config, "overlap_steps", "auto")
+    if k == "auto":
+        fixed = "auto" not in (getattr(config, "topk_ratio", 0.1), u, getattr(config, "host_lr_scale", 1.0))
+        k = None if not overlap else 1 if fixed and device_type in (None, "cpu") else "auto"
+    return {"grad_dtype": getattr(config, "grad_dtype", "float32"),
+            "state_dtype": getattr(config, "state_dtype", "float32"),
+            "sums": window_sums(overlap, u, k), "capture": bool(getattr(config, "grads_in_backward", False))}
+
+
+def host_bytes_per_element(config: Any, accumulate: str, param_bytes: int, *, own_master: bool = False,
+                           device_type: str | None = "cuda") -> int:
+    """Host bytes per offloaded element for a :class:`~zenflow_triton.config.ZenFlowConfig` (or anything with its
+    fields) in mode ``accumulate`` on ``device_type``'s tensors (:func:`host_views` summed; the per-column step
+    counts, padding and the landing ring aside)."""
+    views = host_views(accumulate=accumulate, param_bytes=param_bytes, own_master=own_master,
+                       **layout_of(config, device_type))
+    return sum(sum(each) for each in views.values())
 
 
 @dataclass(frozen=True)
@@ -29,18 +97,26 @@ class Placement:
     reason: str
     device_bytes: dict[str, float]
     host_step_s: float | None = None  # "host"'s per-step copy and add, when the rates are known
+    bound: str | None = None  # the memory that decided: "device", "host", or None (both fit: the fewer PCIe bytes)
 
 
 def place_accumulation(
     *, device: str, offloaded_numel: int, topk_ratio: float, available_bytes: float | None, grad_bytes: int = 4,
     d2h_bytes_per_s: float | None = None, host_add_bytes_per_s: float | None = None,
     fraction: float = PLACEMENT_FRACTION, what: str = "left at the step's peak",
+    host_bytes: dict[str, float] | None = None, host_available: float | None = None,
+    host_what: str = "available on the host",
 ) -> Placement:
     """``device``: "cuda" or "cpu"; ``offloaded_numel``: offloaded elements (this process's); ``topk_ratio``: r;
     ``available_bytes``: device memory left at the step's peak before the optimizer's state (None: unknown, then
     "device", today's path); ``grad_bytes``: bytes per element of a landed gradient; the rates (bytes per second)
     only add the per-step cost of "host" to the reason. ``what`` names ``available_bytes`` in the reason (the
-    autotuner's plan passes its memory budget, which holds its margin already, with ``fraction=1``)."""
+    autotuner's plan passes its memory budget, which holds its margin already, with ``fraction=1``).
+
+    ``host_bytes`` (per mode, what the host slab would hold) and ``host_available`` weigh host memory too: the mode
+    that fits both memories, "device" first (fewer PCIe bytes); when none does, the one that fits the host (the
+    pre-flight would refuse the other before allocating), else "host". ``Placement.bound`` says which memory
+    decided."""
     if offloaded_numel < 0 or not 0.0 <= topk_ratio <= 1.0:
         raise ValueError(f"Invalid placement inputs: offloaded_numel={offloaded_numel}, topk_ratio={topk_ratio}")
     compact = 12.0 * topk_ratio * offloaded_numel
@@ -61,8 +137,30 @@ def place_accumulation(
     budget = fraction * available_bytes
     cost = "" if step_s is None else f"; host would cost {step_s * 1e3:.2f} ms per step of copies and adds"
     room = (f"{fraction:.0%} of " if fraction < 1 else "") + f"the {gib(available_bytes)} {what}"
-    if sizes["device"] <= budget:
-        return Placement("device", f"the device state with the window sum ({gib(sizes['device'])}) fits in "
-                         f"{room}{cost}", sizes, step_s)
-    return Placement("host", f"the device state with the window sum ({gib(sizes['device'])}) does not fit in "
-                     f"{room}; without it {gib(sizes['host'])}{cost}", sizes, step_s)
+    on_host = host_bytes is not None and host_available is not None
+
+    def host_fits(mode: str) -> bool:
+        return not on_host or host_bytes[mode] <= host_available
+
+    def host_says(mode: str) -> str:
+        if not on_host:
+            return ""
+        verb = "fits in" if host_fits(mode) else "does not fit in"
+        return f"; its host state ({gib(host_bytes[mode])}) {verb} the {gib(host_available)} {host_what}"
+
+    device_fits = sizes["device"] <= budget
+    said = f"the device state with the window sum ({gib(sizes['device'])})"
+    if device_fits and host_fits("device"):
+        return Placement("device", f"{said} fits in {room}{host_says('device')}{cost}", sizes, step_s)
+    if not device_fits and host_fits("host"):
+        return Placement("host", f"{said} does not fit in {room}; without it {gib(sizes['host'])}"
+                         f"{host_says('host')}{cost}", sizes, step_s, bound="device")
+    if host_fits("device"):  # "host" would not fit the host; "device" does, though not the device's budget
+        return Placement("device", f'"host"{host_says("host")}; "device"{host_says("device")}, but {said} does '
+                         f"not fit in {room}: decided by host memory, device memory may run out", sizes, step_s,
+                         bound="host")
+    if device_fits:
+        return Placement("device", f"{said} fits in {room}{host_says('device')} (nor would \"host\"'s: decided by "
+                         "host memory)", sizes, step_s, bound="host")
+    return Placement("host", f"{said} does not fit in {room}; without it {gib(sizes['host'])}{host_says('host')} "
+                     "(neither mode fits both memories)", sizes, step_s, bound="device")

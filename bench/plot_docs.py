@@ -26,20 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The peers' host bytes per parameter, the machines of the largest-model table and the usable shares of each memory
+# are the autotuner's capacity answer's (autotune/capacity.py): one table, one rule.
+from zenflow_triton.autotune.capacity import GPU_USABLE, HOST_USABLE, MACHINES, PEERS_HOST, largest
+
 ROOT = Path(__file__).resolve().parent.parent
-
-# Host bytes per parameter that the peers hold for a bf16 model with an fp32 master and Adam, read from their
-# allocating code (issue 29): FSDP2 CPUOffloadPolicy 16 (fp32 param, grad, m, v), ZeRO-Offload stage 2 18 (fp32
-# master 4, bf16 copy-back 2, fp32 gradient 4, m + v 8), DeepSpeed's ZenFlow with overlap ~36 (two gradient buffers
-# and two full moment sets), torchao CPUOffloadOptimizer 8 (bf16 master and moments: no fp32 master for bf16).
-PEERS_HOST = {"ZeRO-Offload stage 2": 18.0, "FSDP2 `CPUOffloadPolicy`": 16.0, "DeepSpeed ZenFlow, overlap": 36.0,
-              "torchao `CPUOffloadOptimizer`, no fp32 master": 8.0}
-
-# Machines of the largest-model table: (name, GPU bytes, host bytes); 80% of the GPU and 90% of the host usable (the
-# rest: activations, CUDA context, the OS and the data pipeline).
-MACHINES = [("24 GB GPU / 64 GB host", 24e9, 64e9), ("80 GB / 256 GB", 80e9, 256e9),
-            ("141 GB / 128 GiB (one H200)", 141e9, 128 * 2**30)]
-GPU_USABLE, HOST_USABLE = 0.8, 0.9
 
 # The curves drawn per task: AdamW, ZenFlowAdamW's defaults on CPU tensors (warmup_steps=100, overlap_steps="auto"
 # = 1), and the selection from step 1 merged at the next window end (warmup_steps=0, overlap_steps=None), as
@@ -104,20 +95,19 @@ def measure_memory(*, steps: int, device: str) -> list[dict]:
 
 
 def largest_models(rows: list[dict]) -> list[dict]:
-    """Billions of bf16 parameters whose training state fits both memories: min over GPU and host."""
+    """Billions of bf16 parameters whose training state fits both memories (:func:`capacity.largest`: min over GPU
+    and host), from the measured rows; the peers from their host bytes."""
     out = []
     for r in rows:
         if r["model"] != "bfloat16":
             continue
-        fits = []
-        for _, gpu, host in MACHINES:
-            by_gpu = GPU_USABLE * gpu / r["device_held"]
-            by_host = HOST_USABLE * host / r["host"] if r["host"] else float("inf")
-            fits.append((min(by_gpu, by_host) / 1e9, "host" if by_host < by_gpu else "GPU"))
-        out.append({"optimizer": DISPLAY.get(r["optimizer"], r["optimizer"]), "fits": fits})
+        fits = [largest(r["device_held"], r["host"], gpu, host) for _, gpu, host in MACHINES]
+        out.append({"optimizer": DISPLAY.get(r["optimizer"], r["optimizer"]),
+                    "fits": [(n / 1e9, why) for n, why in fits]})
     for name, host_b in PEERS_HOST.items():
         out.append({"optimizer": f"{name} ({host_b:g} host B/param)",
-                    "fits": [(HOST_USABLE * host / host_b / 1e9, "host") for _, _, host in MACHINES]})
+                    "fits": [(n / 1e9, why) for n, why in (largest(0.0, host_b, gpu, host)
+                                                          for _, gpu, host in MACHINES)]})
     return out
 
 

@@ -1,9 +1,9 @@
-"""Device bytes per parameter held and at peak over training steps (forward, backward, step), per optimizer.
+"""Device and host bytes per parameter held and at peak over training steps (forward, backward, step), per optimizer.
 
-    python bench/report_memory.py [--steps 13] [--device cpu|cuda] [--layers 4] [--width 1024] [--host]
+    python bench/report_memory.py [--steps 13] [--device cpu|cuda] [--layers 4] [--width 1024] [--out PATH] [--host]
 
 The model is an MLP of ``--layers`` square ``[width, width]`` linear layers (weights offloaded, biases resident),
-trained at r = 0.1, U = 4 for ``--steps`` steps; figures are bytes divided by the model's parameter count.
+trained at r = 0.1, U = 4 for ``--steps`` steps; device figures are bytes divided by the model's parameter count.
 
 - On CUDA: ``torch.cuda.memory_allocated`` at the end of each step (held: the largest, with the gradients still
   there, as before the next ``zero_grad``) and ``torch.cuda.max_memory_allocated`` over the run (peak), the model's
@@ -11,20 +11,33 @@ trained at r = 0.1, U = 4 for ``--steps`` steps; figures are bytes divided by th
 - On CPU tensors, where torch's allocations are what a GPU run holds on the device (the optimizer's host slabs are
   mmap'd, not torch allocations): ``torch.profiler.profile(profile_memory=True)``'s allocation events summed in
   time order from a fresh model (its weights, allocated before, added), held at each step's end and the peak.
+- Host, measured from the process after the last step: the pages of the optimizer's host slabs that are resident
+  (``/proc/self/pagemap``'s present bit, page by page over each slab's address range) and, of those, the pinned
+  ones (slabs whose memory CUDA reports as page-locked host memory), per offloaded parameter; beside
+  ``stats()["host_bytes_per_param"]`` (the bytes the slabs were sized for), which they match up to page rounding
+  once every buffer has been written.
 
 With ``--host``: instead, the host bytes per offloaded parameter that ``stats()["host_bytes_per_param"]`` counts
 (the slabs and the landing ring) after ``--steps`` steps, for every ZenFlowAdamW mode, also at ``overlap_steps=1``
 (one window sum with accumulate="host").
 
 Rows: ``torch AdamW`` (moments in the model dtype, on the device), ZenFlowAdamW ``accumulate="device"`` and
-``"host"``, and ``"host"`` with ``grads_in_backward`` (the offloaded gradients consumed in backward), for fp32 and
-bf16 models. This file imports nothing else from bench/, so tests load it by path.
+``"host"``, and ``"host"`` with ``grads_in_backward`` (the offloaded gradients consumed in backward), each also with
+bf16 moments where the optimizer has ``state_dtype``, for fp32 and bf16 models. This file imports nothing else from
+bench/, so tests load it by path.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import gc
+import mmap
+import os
+import platform
+import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,16 +45,22 @@ import torch
 from torch import nn
 
 from zenflow_triton import ZenFlowAdamW
+from zenflow_triton.config import ZenFlowConfig
 
-__all__ = ["MemoryFigures", "host_bytes_per_param", "measure", "mlp", "optimizers"]
+__all__ = ["MemoryFigures", "host_bytes_per_param", "host_pages", "measure", "mlp", "optimizers"]
 
 
 @dataclass(frozen=True)
 class MemoryFigures:
-    """Device bytes per model parameter: held at the end of a step (the largest over the run) and at peak."""
+    """Device bytes per model parameter: held at the end of a step (the largest over the run) and at peak. Host
+    bytes per offloaded parameter after the last step (None for an optimizer without host slabs): resident and
+    pinned, measured from the process, and ``stats()``'s ``host_bytes_per_param``."""
 
     held: float
     peak: float
+    host_resident: float | None = None
+    host_pinned: float | None = None
+    host_stats: float | None = None
 
 
 def mlp(layers: int, width: int, dtype: torch.dtype, device: str) -> nn.Module:
@@ -49,18 +68,48 @@ def mlp(layers: int, width: int, dtype: torch.dtype, device: str) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device=device, dtype=dtype)
 
 
-def optimizers(topk_ratio: float = 0.1, update_interval: int = 4,
-               overlap_steps: int | None = None) -> dict[str, Callable[[nn.Module], object]]:
-    """The optimizers compared, each built over a model's parameters."""
-    # warmup_steps=0: the steady state.
+def _zen(**kw: object) -> Callable[[nn.Module], object]:
+    return lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, **kw)
+
+
+def optimizers(topk_ratio: float = 0.1, update_interval: int = 4, overlap_steps: int | None = None, *,
+               state_dtypes: bool = False) -> dict[str, Callable[[nn.Module], object]]:
+    """The optimizers compared, each built over a model's parameters, in the steady state (``warmup_steps=0``);
+    ``overlap_steps`` None merges at the next window end (two window sums with accumulate="host", 1: one);
+    ``state_dtypes``: also each ZenFlowAdamW mode with bf16 moments, where the optimizer has the ``state_dtype``
+    knob."""
     zen = dict(topk_ratio=topk_ratio, update_interval=update_interval, warmup_steps=0, overlap_steps=overlap_steps)
-    return {
-        "torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
-        "ZenFlow device": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="device", **zen),
-        "ZenFlow host": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host", **zen),
-        "ZenFlow host + grads_in_backward": lambda m: ZenFlowAdamW(m.parameters(), lr=1e-3, accumulate="host",
-                                                                   grads_in_backward=True, **zen),
-    }
+    out = {"torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)}
+    has_state_dtype = "state_dtype" in {f.name for f in dataclasses.fields(ZenFlowConfig)}
+    for suffix, extra in [("", {})] + ([(", bf16 moments", {"state_dtype": "bfloat16"})]
+                                       if state_dtypes and has_state_dtype else []):
+        kw = {**zen, **extra}
+        out[f"ZenFlow device{suffix}"] = _zen(accumulate="device", **kw)
+        out[f"ZenFlow host{suffix}"] = _zen(accumulate="host", **kw)
+        out[f"ZenFlow host + grads_in_backward{suffix}"] = _zen(accumulate="host", grads_in_backward=True, **kw)
+    return out
+
+
+def host_pages(opt: object) -> tuple[int, int] | None:
+    """(resident, pinned) bytes of ``opt``'s host allocations (its slabs and the landing ring), read from the
+    process: each slab's pages present in ``/proc/self/pagemap`` (bit 63 of a page's entry), and those of the slabs
+    CUDA reports page-locked. None for an optimizer without host slabs."""
+    pipeline = getattr(opt, "_pipeline", None)
+    if pipeline is None:
+        return None
+    page = mmap.PAGESIZE
+    resident = pinned = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for slab in pipeline.host_slabs():
+            start = slab._storage.data_ptr()
+            pages = -(-max(slab.nbytes, 1) // page)
+            pagemap.seek(start // page * 8)
+            entries = struct.unpack(f"{pages}Q", pagemap.read(8 * pages))
+            here = sum(e >> 63 & 1 for e in entries) * page
+            resident += here
+            if slab.views and slab.views[0].is_pinned():
+                pinned += here
+    return resident, pinned
 
 
 def host_bytes_per_param(make_opt: Callable[[nn.Module], object], *, dtype: torch.dtype, device: str, steps: int,
@@ -111,10 +160,22 @@ def measure(make_opt: Callable[[nn.Module], object], *, dtype: torch.dtype = tor
                 held[0] = max(held[0], torch.cuda.memory_allocated() - base)
 
             _train(model, opt, steps, batch, mark)
-            return MemoryFigures(held[0] / numel, (torch.cuda.max_memory_allocated() - base) / numel)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            _train(model, opt, steps, batch, _mark_step_end)
-        return _from_events(prof, weights, numel)
+            figures = MemoryFigures(held[0] / numel, (torch.cuda.max_memory_allocated() - base) / numel)
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        profile_memory=True) as prof:
+                _train(model, opt, steps, batch, _mark_step_end)
+            figures = _from_events(prof, weights, numel)
+        if not hasattr(opt, "flush"):
+            return figures
+        # The host job in flight writes the snapshot (and may be the first to touch its pages): read the pages once
+        # no host work is pending, as they are at every later step.
+        opt.flush()
+        host = host_pages(opt)
+        stats = opt.stats()
+        offloaded = stats["host_bytes"] / stats["host_bytes_per_param"]
+        return dataclasses.replace(figures, host_resident=host[0] / offloaded, host_pinned=host[1] / offloaded,
+                                   host_stats=stats["host_bytes_per_param"])
     finally:
         close = getattr(opt, "close", None)
         if close is not None:
@@ -153,21 +214,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--host", action="store_true", help="host bytes per parameter per mode instead")
+    ap.add_argument("--host", action="store_true", help="only stats()' host bytes per parameter per mode, also at "
+                    "overlap_steps=1")
+    ap.add_argument("--out", type=str, default=None, help="also write the table to this Markdown record")
     args = ap.parse_args(argv)
     if args.host:
         _print_host(args)
         return
-    print(f"{args.layers} x [{args.width}, {args.width}] MLP, r = 0.1, U = 4, {args.steps} steps, device "
-          f"{args.device}; device bytes per parameter")
-    print()
-    print("| optimizer | model | held B/param | peak B/param |")
-    print("|---|---|---:|---:|")
+    command = "python bench/report_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"- command: `{command.strip()}`",
+             f"- machine: {platform.node()}: {os.cpu_count()} cores, device {args.device}, torch {torch.__version__}",
+             f"- model: {args.layers} x [{args.width}, {args.width}] MLP (biases resident), r = 0.1, U = 4, "
+             f"{args.steps} steps; device bytes per model parameter, host bytes per offloaded parameter (resident "
+             "and pinned: the slabs' pages read from /proc/self/pagemap after the last step; stats: "
+             'stats()["host_bytes_per_param"])', "",
+             "| optimizer | model | device held B/param | device peak B/param | host resident B/param | "
+             "host pinned B/param | host stats() B/param |", "|---|---|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+
+    def host(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}"
+
     for dtype in (torch.float32, torch.bfloat16):
-        for name, make in optimizers().items():
+        for name, make in optimizers(state_dtypes=True).items():
             fig = measure(make, dtype=dtype, device=args.device, steps=args.steps, layers=args.layers,
                           width=args.width)
-            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {fig.held:.2f} | {fig.peak:.2f} |")
+            lines.append(f"| {name} | {str(dtype).removeprefix('torch.')} | {fig.held:.2f} | {fig.peak:.2f} | "
+                         f"{host(fig.host_resident)} | {host(fig.host_pinned)} | {host(fig.host_stats)} |")
+            print(lines[-1], flush=True)
+    if args.out:
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(f"# Device and host memory per mode, measured (bench/report_memory.py), {date}\n\n")
+            f.write("\n".join(lines) + "\n")
 
 
 

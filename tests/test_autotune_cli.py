@@ -60,8 +60,8 @@ def run(argv, capsys):
     "argv",
     [
         ["--bogus"],
-        ["--params", "1e9"],  # needs --step-time
         ["--step-time", "0.5"],  # needs --params
+        ["--max-params", "--params", "7B"],  # every size already
         ["--params", "-5", "--step-time", "1"],
         ["--params", "abc", "--step-time", "1"],
         ["--params", "1e9", "--step-time", "0"],

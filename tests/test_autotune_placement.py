@@ -61,3 +61,28 @@ def test_optimizer_auto_reports_the_choice_on_cpu_tensors() -> None:
         st = opt.stats()
         assert st["accumulate"] == "device"
         assert "no device memory to save" in st["accumulate_reason"]
+
+
+# Host memory weighed too (issue 29): a bf16 7B model's host slab per mode, today's layout (18 and 26 B/param).
+HOST = {"device": 18.0 * P, "host": 26.0 * P}
+DEVICE_NEED = (4 + 12 * 0.1) * P
+
+
+@pytest.mark.parametrize(("device_room", "host_room", "want", "bound"), [
+    (DEVICE_NEED / 0.89, 1e15, "device", None),          # both fit: the fewer PCIe bytes
+    (DEVICE_NEED / 0.91, 27.0 * P, "host", "device"),    # device memory decides, the host holds "host"
+    (DEVICE_NEED / 0.91, 20.0 * P, "device", "host"),    # "host" would not fit the host: host memory decides
+    (DEVICE_NEED / 0.89, 10.0 * P, "device", "host"),    # nothing fits the host: the pre-flight will refuse
+    (DEVICE_NEED / 0.91, 10.0 * P, "host", "device"),    # neither fits: today's rule
+])
+def test_the_mode_that_fits_both_memories(device_room, host_room, want, bound) -> None:
+    got = place_accumulation(device="cuda", offloaded_numel=P, topk_ratio=0.1, available_bytes=device_room,
+                             host_bytes=HOST, host_available=host_room, host_what="available on the host (test)")
+    assert (got.accumulate, got.bound) == (want, bound), got.reason
+    assert "host state" in got.reason and "available on the host (test)" in got.reason
+
+
+def test_without_host_figures_the_rule_is_the_device_one() -> None:
+    got = place_accumulation(device="cuda", offloaded_numel=P, topk_ratio=0.1, available_bytes=DEVICE_NEED / 0.91,
+                             host_bytes=HOST, host_available=None)
+    assert got.accumulate == "host" and got.bound == "device" and "host state" not in got.reason

@@ -82,7 +82,8 @@ def default_cpu_threads(device: torch.device | None) -> int:
 def place_sums(params: Sequence[torch.Tensor], config: ZenFlowConfig, saved: str | None = None) -> tuple[str, str]:
     """Where the window sums live ("device" or "host") and why: ``config.accumulate``, or for "auto" "host" with
     ``grads_in_backward``, else the placement a checkpoint being loaded was trained with (``saved``, on CUDA), else
-    the rule of :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's figures. Called once,
+    the rule of :func:`zenflow_triton.autotune.placement.place_accumulation` on this device's and this host's
+    figures (the mode that fits both memories; the reason says which decided). Called once,
     at the first step (the model is built and has run a forward and a backward), or at a load before it, before any
     device buffer of the optimizer exists. ``params``: the offloaded parameters stepping first."""
     choice = config.accumulate
@@ -115,8 +116,14 @@ def _placement_rule(params: Sequence[torch.Tensor], config: ZenFlowConfig) -> tu
         # memory plus the cache, less the peak allocation (weights, gradients and the activations at their peak).
         available = max(0.0, float(free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)))
     grad_bytes = 2 if config.grad_dtype == "bfloat16" or params[0].dtype != torch.float32 else 4
+    # Host memory too: the slab each mode would map, against what the machine can give now (host_budget).
+    from .host_budget import host_need, host_room
+
+    host = host_room()
     placement = place_accumulation(device=device.type, offloaded_numel=numel, topk_ratio=ratio,
-                                   available_bytes=available, grad_bytes=grad_bytes)
+                                   available_bytes=available, grad_bytes=grad_bytes,
+                                   host_bytes={m: host_need(params, config, m).total for m in ("device", "host")},
+                                   host_available=host.bytes, host_what=f"available on the host ({host.bound})")
     return placement.accumulate, placement.reason
 
 

@@ -81,7 +81,12 @@ class HostSlab:
         # mapping (the array keeps the mmap object alive), torch views keep the array alive, and a finalizer on the
         # array unregisters the pages when the last view dies, before the mapping goes (numpy clears weak references
         # first when an array is freed, and only then releases the mmap it views).
-        pages = _map_pages(_round_up(size, mmap.PAGESIZE))
+        try:
+            pages = _map_pages(_round_up(size, mmap.PAGESIZE))
+        except OSError as exc:  # out of memory or address space (ulimit -v): the pre-flight's error, not errno 12
+            from .host_budget import allocation_failed
+
+            raise allocation_failed(total, exc) from exc
         self._owner = np.frombuffer(pages, dtype=np.uint8, count=size)
         self._storage = torch.from_numpy(self._owner)
         self.pinned = False

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .auto import place_sums
 from .config import ZenFlowConfig
+from .host_budget import preflight
 from .host_jobs import HostItem, Window, compile_host_kernels, run_host_job
 from .host_memory import HostSlab
 from .host_sums import HostSums
@@ -220,7 +220,7 @@ class Pipeline:
         """The first half of ``load_state_dict``: a new slab and state for every offloaded parameter, filled from
         ``saved``, with nothing of this pipeline changed (an allocation that fails leaves it as it was). The
         parameters are not written either: a parameter that is its own master gets the saved master at
-        :meth:`commit_load`. ``placement``: the checkpoint's accumulate, for "auto" not yet decided (place_sums)."""
+        :meth:`commit_load`. ``placement``: the checkpoint's accumulate, for "auto" not yet decided (preflight)."""
         if not saved:
             return None
         staged: dict[torch.Tensor, dict[str, Any]] = {}
@@ -259,11 +259,11 @@ class Pipeline:
             # The worker's jobs wait on CUDA events: on the parameters' device, not on a context of device 0.
             self.worker.use_device(device)
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
-        if self.accumulate is None:
-            # Decided once, before any device buffer exists (acc is allocated by init/load after this).
-            self.accumulate, self.accumulate_reason = place_sums(params, self.config, placement)
-            if self.accumulate == "host":
-                self._sums = HostSums(device, capture=self.config.grads_in_backward)
+        # Decided once, before any device buffer exists (acc is allocated by init/load after this); the pre-flight
+        # refuses (HostMemoryError) before anything is decided or allocated when the host cannot hold the slab.
+        self.accumulate, self.accumulate_reason = preflight(self, params, placement)
+        if self.accumulate == "host" and self._sums is None:
+            self._sums = HostSums(device, capture=self.config.grads_in_backward)
         cfg = self.config
         # overlap_steps="auto" is 1 on CPU tensors (config.py): one window sum there; planned on a GPU, counted as 2.
         fixed = cfg.without_planning(device.type) or cfg

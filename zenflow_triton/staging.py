@@ -5,8 +5,9 @@
   The ring is bounded by a budget (:func:`ring_chunk_bytes`), not by the model: when every chunk is still waiting
   for its add, the training thread waits for the oldest (back-pressure, counted as stall).
 - :class:`MergeStaging` (CUDA): the device buffers the merge's host-to-device copies land in.
-- :func:`window_sums`: how many fp32 window sums a schedule needs on the host (one where the next window's first
-  gradients can wait in the ring until the previous window's job has read its sum).
+- :func:`window_sums` (the layout's rule, in ``autotune.placement`` beside the host layout it sizes): how many fp32
+  window sums a schedule needs on the host (one where the next window's first gradients can wait in the ring until
+  the previous window's job has read its sum).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .autotune.placement import window_sums
 from .host_memory import ALIGN_BYTES, HostSlab
 
 __all__ = ["MergeStaging", "LandingRing", "RING_CHUNKS", "ring_bytes", "ring_chunk_bytes", "window_sums"]
@@ -50,17 +52,6 @@ def ring_chunk_bytes(total_bytes: int, largest_bytes: int) -> int:
 def ring_bytes(total_bytes: int, largest_bytes: int) -> int:
     """Host bytes of the landing ring for those gradients (:func:`ring_chunk_bytes` × :data:`RING_CHUNKS`)."""
     return RING_CHUNKS * ring_chunk_bytes(total_bytes, largest_bytes)
-
-
-def window_sums(overlap: bool, update_interval: Any, overlap_steps: Any) -> int:
-    """fp32 window sums accumulate="host" keeps per parameter: one where the schedule waits for a window's job
-    within the next window's first step (``overlap=False``; ``overlap_steps=1``; ``overlap_steps`` None with
-    ``update_interval=1``): the next window's first add waits (in the adder, its gradient in staging) until that
-    job has read the sum. Else two, alternating by window, so the job reads one while the next window sums into the
-    other. "auto" values count as two (either count is exact; one only costs stall where the job runs longer)."""
-    if not overlap or overlap_steps == 1 or (overlap_steps is None and update_interval == 1):
-        return 1
-    return 2
 
 
 class LandingRing:

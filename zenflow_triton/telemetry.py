@@ -70,6 +70,8 @@ def stats_of(opt: Any) -> dict[str, Any]:
     lives and how big it is, the per-step figures, the knobs ("auto" resolved) and their plan, clipping, and whether
     gradients are captured in backward (and how many offloaded ones were, for the last step). Host bytes are this
     process's (a sharded parameter's rows here); ``offloaded_params`` counts whole parameters."""
+    from .host_budget import report as host_report
+
     pipeline, s = opt._pipeline, opt._stats
     records, slabs = pipeline.records, pipeline.host_slabs()
     total_cols = sum(rec.cols for rec in records.values())
@@ -83,6 +85,7 @@ def stats_of(opt: Any) -> dict[str, Any]:
         "pinned_bytes": sum(slab.nbytes for slab in slabs if slab.pinned),
         "host_bytes": host_bytes,
         "host_bytes_per_param": host_bytes / local_numel if local_numel else 0.0,
+        **host_report(pipeline),
         "offloaded_params": sum(p.numel() for p in records),
         "accumulate": pipeline.accumulate,
         "accumulate_reason": pipeline.accumulate_reason,
