@@ -511,6 +511,26 @@ def test_duplicate_param_in_one_group_warns_like_adamw() -> None:
         assert torch.isfinite(p).all() and not torch.equal(p, b)
 
 
+@pytest.mark.parametrize("knobs", [dict(warmup_steps=3), dict(topk_ratio=0.0)], ids=["warm-up", "host-windows"])
+def test_duplicate_param_steps_twice_on_the_host_too(knobs) -> None:
+    """The warm-up (synchronous AdamW on every element) and one-step host windows step a parameter listed twice once
+    per occurrence, as AdamW does: its second window is applied after the first, not in its place."""
+    ref = make_params()
+    mine = twin(ref)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        ref_opt = make_adamw([ref[0], ref[1], ref[0]])
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = ZenFlowAdamW([mine[0], mine[1], mine[0]], lr=1e-2, weight_decay=0.1, update_interval=1, overlap=False,
+                           min_offload_numel=MIN_OFFLOAD, **{"topk_ratio": 1.0, "warmup_steps": 0, **knobs})
+    _opened.append(opt)
+    for i in range(5):
+        for o, ps in ((ref_opt, ref), (opt, mine)):
+            o.zero_grad()
+            loss_fn(ps[:2], i).backward()
+            o.step()
+        assert_params_close(mine[:2], ref[:2], f"step {i}")
+
+
 def test_duplicate_param_across_groups_refused_like_adamw() -> None:
     for factory in (make_adamw, make_zen):
         p, q = make_params()[:2]

@@ -192,11 +192,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         the parameters, so a run resumed from it continues bit for bit.
 
         The format (:mod:`.checkpoint`) depends on nothing but the parameters: an offloaded parameter's entry holds
-        full-size CPU copies (``master``, ``exp_avg``, ``exp_avg_sq``, ``acc``) and per-column vectors; a resident
-        one's is torch.optim.AdamW's, by reference as in torch (``copy.deepcopy`` the result to keep a snapshot). The
-        entry ``"zenflow"`` (also in every param group, which torch.distributed.checkpoint keeps) holds the knobs
-        ("auto" resolved), the schedule's step count and the format number.
-        """
+        full-size CPU copies (``master``, moments, ``acc``) and per-column vectors; a resident one's is AdamW's, by
+        reference as in torch (``copy.deepcopy`` to keep a snapshot). ``"zenflow"`` (also in every param group, which
+        DCP keeps) holds the knobs ("auto" resolved), the step count and the format number."""
         self._pipeline.check_usable()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -330,9 +328,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         a gradient; at a window end also for those whose window holds gradients of earlier steps only.
 
         The device work is batched: one selection for all parameters (:func:`.columns.reselect_many_`), one grouped
-        fused-step launch (``ops.fused_steps_``). A sharded parameter (FSDP2) steps on its local rows; its column
-        scores are summed over its shard group every step (one bucketed all-reduce), so every rank holds and selects
-        what a single process would."""
+        fused-step launch. A sharded parameter (FSDP2) steps on its local rows; its column scores are summed over its
+        shard group every step (one bucketed all-reduce), so every rank holds and selects what one process would."""
         pipeline, knobs = self._pipeline, self._knobs
         records = pipeline.records
         device = offloaded[0][1].device if offloaded else self._device
@@ -405,6 +402,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 # A window of this step alone, applied before step() returns: the host reads this gradient.
                 if update_score:
                     ops.column_sumsq_(score_of(p), g2)
+                if p in windows:  # listed twice: its first window is applied before the second reads the parameter
+                    pipeline.end_windows([windows.pop(p)], self.state, sync=True, cpu_threads=cfg.cpu_threads,
+                                         lr_scale=cfg.host_lr_scale if tau >= 1 else 1.0)
                 windows[p] = Window(p, hp, grad=g2.detach())
                 continue
             # Steps 1, 3 and 4 in one pass: scores, AdamW on the selected columns (their step counts incremented
