@@ -280,3 +280,15 @@ def scalar_hyperparams(count: int, hp: AdamHyperparams) -> tuple:
     decay = np.float32(1.0 - lr * wd) if decoupled and wd != 0.0 else np.float32(1.0)
     return (scale, np.float32(count), not pow2, decay, np.float32(wd), coupled, w, base_is_m, np.float32(beta2),
             np.float32(1.0 - beta2), np.float32(eps), np.uint32(0xFFFFFFFF))
+
+
+@register_jitable
+def blend(new, old, mask):
+    """``new`` where ``mask`` is all ones, else ``old``, bit for bit.
+
+    Integer and/or rather than a select: LLVM turns ``a[i] = new if keep else a[i]`` into a masked store
+    (``vmaskmovps``), which is slow on AMD Zen. A minimal AdamW loop, 16K elements in L2, one thread: 0.40
+    ns/element updating every column, 0.77 with the masked store, 0.58 with and/or on a mask LLVM cannot prove to
+    be all-ones-or-zero (see ``cpu_adamw._run_mixed``).
+    """
+    return bits_f32(U32(U32(f32_bits(new) & mask) | U32(f32_bits(old) & U32(~mask))))

@@ -45,15 +45,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload, register_jitable
 
+from ._bf16_moments import moment_noise, store_moment, store_moment_masked
 from ._checks import check_host_adamw_args
 from ._numba_utils import (
     U16,
     U32,
     adamw_moments,
     bf16_round,
-    bits_f32,
+    blend,
     f16_round,
-    f32_bits,
     flat_view,
     fma,
     load_grad,
@@ -146,7 +146,7 @@ def _store_snap_masked_impl(snap, i, p, mask):
     if snap.dtype == types.float32:
 
         def store_f32(snap, i, p, mask):
-            snap[i] = _blend(p, snap[i], mask)
+            snap[i] = blend(p, snap[i], mask)
 
         return store_f32
     if snap.dtype == types.uint16:
@@ -163,82 +163,6 @@ def _store_snap_masked_impl(snap, i, p, mask):
 
         return store_f16
     return None
-
-
-# --- bf16 moments (state_dtype="bfloat16"): stochastic rounding, the twin of reference.moment_noise/bf16_stochastic ---
-# Moments arrive as float32 arrays, or bf16 as uint16 bits (flat_view). Every helper below has an fp32 overload that
-# reduces to a plain load or store, so the fp32 kernels compile to what they were (no hash, no step read).
-
-_SR_SEED = U32(0x2545F491)  # reference.SR_SEED
-
-
-@register_jitable
-def _hash(i, step):
-    """reference.moment_noise: lowbias32 of (index ^ rotate(step, 16) ^ seed), all mod 2^32."""
-    s = U32(step)
-    x = U32(U32(U32(i) ^ U32(U32(s << U16) | U32(s >> U16))) ^ _SR_SEED)
-    x = U32(x ^ U32(x >> U16))
-    x = U32(x * U32(0x7FEB352D))
-    x = U32(x ^ U32(x >> U32(15)))
-    x = U32(x * U32(0x846CA68B))
-    return U32(x ^ U32(x >> U16))
-
-
-@register_jitable
-def _sr_bf16(x, noise):
-    """reference.bf16_stochastic on one element: bf16 bits (uint32) of ``x`` with 16 noise bits added below the cut."""
-    r = U32(U32(f32_bits(x) + noise) >> U16)
-    return U32(0x7FC0) if x != x else r
-
-
-def _noise(m, i, step):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_noise)
-def _noise_impl(m, i, step):
-    if m.dtype == types.uint16:
-        return lambda m, i, step: _hash(i, step)
-    return lambda m, i, step: U32(0)
-
-
-def _store_moment(arr, i, x, noise):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_store_moment)
-def _store_moment_impl(arr, i, x, noise):
-    if arr.dtype == types.uint16:
-
-        def store_bf16(arr, i, x, noise):
-            arr[i] = np.uint16(_sr_bf16(x, noise))
-
-        return store_bf16
-
-    def store_f32(arr, i, x, noise):
-        arr[i] = x
-
-    return store_f32
-
-
-def _store_moment_masked(arr, i, x, old, noise, mask):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_store_moment_masked)
-def _store_moment_masked_impl(arr, i, x, old, noise, mask):
-    # ``old`` is the raw element as loaded (float32, or the uint16 bits): blended back where ``mask`` is 0.
-    if arr.dtype == types.uint16:
-
-        def store_bf16(arr, i, x, old, noise, mask):
-            arr[i] = np.uint16(U32(_sr_bf16(x, noise) & mask) | U32(U32(old) & U32(~mask)))
-
-        return store_bf16
-
-    def store_f32(arr, i, x, old, noise, mask):
-        arr[i] = _blend(x, old, mask)
-
-    return store_f32
 
 
 @register_jitable
@@ -403,18 +327,6 @@ def _adamw_step(p, m, v, g, ss, inv_bc2, hp):
     return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
 
 
-@register_jitable
-def _blend(new, old, mask):
-    """``new`` where ``mask`` is all ones, else ``old``, bit for bit.
-
-    Integer and/or rather than a select: LLVM turns ``a[i] = new if keep else a[i]`` into a masked store
-    (``vmaskmovps``), which is slow on AMD Zen. A minimal AdamW loop, 16K elements in L2, one thread: 0.40
-    ns/element updating every column, 0.77 with the masked store, 0.58 with and/or on a mask LLVM cannot prove to
-    be all-ones-or-zero (see ``_run_mixed``).
-    """
-    return bits_f32(U32(U32(f32_bits(new) & mask) | U32(f32_bits(old) & U32(~mask))))
-
-
 def _col(src, j):  # pragma: no cover - typing stub
     raise NotImplementedError
 
@@ -464,10 +376,10 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step
             i = base + j
             p, m, v = _adamw_step(master[i], load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = _noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, i, col_step[j])
             master[i] = p
-            _store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
-            _store_moment(exp_avg_sq, i, v, U32(noise >> U16))
+            store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
+            store_moment(exp_avg_sq, i, v, U32(noise >> U16))
             store_snap(snapshot, i, p)
         j0 = j1
 
@@ -486,13 +398,13 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, co
             v0 = exp_avg_sq[i]
             p, m, v = _adamw_step(p0, load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = _noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, i, col_step[j])
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
             mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
-            master[i] = _blend(p, p0, mask)
-            _store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
-            _store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
+            master[i] = blend(p, p0, mask)
+            store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
+            store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
             _store_snap_masked(snapshot, i, p, mask)
         j0 = j1
 
