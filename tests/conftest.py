@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The checkout's top-level kernels/ and autotune/ install as zenflow_triton.kernels and zenflow_triton.autotune. With
+# the checkout first on sys.path (``python -m pytest`` puts the working directory there) they would shadow installed
+# distributions of those names (transformers >= 5.25 imports Hugging Face's `kernels`): the checkout goes last, where
+# it still provides zenflow_triton to a tree that is not installed.
+_ROOT = Path(__file__).resolve().parent.parent
+_here = [p for p in sys.path if Path(p or ".").resolve() == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _here] + _here
 
 # Must happen before anything imports triton: without CUDA the Triton kernels run in the interpreter on CPU
 # tensors, which is how CI checks them.

@@ -45,7 +45,8 @@ def agree_run(rank: int, world: int, port: int, out: str) -> None:
         torch.manual_seed(rank)
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
         opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio="auto", update_interval="auto",
-                           min_offload_numel=1024)
+                           min_offload_numel=1024, warmup_steps=0,  # planned after "auto"'s own warm-up
+                           quality_regime="finetune")  # the fine-tune table: the ranks' host speeds decide the plan
         for step in range(10):
             opt.zero_grad()
             model(torch.randn(8, 256, generator=torch.Generator().manual_seed(step))).square().mean().backward()
@@ -55,7 +56,7 @@ def agree_run(rank: int, world: int, port: int, out: str) -> None:
         alone = plan_for_optimizer(offloaded_shapes=[(256, 256)] * 3, param_dtype=torch.float32,
                                    grad_dtype="float32", step_time_s=opt._knobs.measured_step_time(),
                                    device=torch.device("cpu"), topk_ratio=None, update_interval=None,
-                                   profile=rank_profile(rank))
+                                   profile=rank_profile(rank), quality_regime="finetune")
         record = {k: st[k] for k in ("topk_ratio", "update_interval", "select_interval", "host_lr_scale",
                                      "overlap_steps", "accumulate", "auto_reason")}
         record.update(probed=probed, alone=[alone.topk_ratio, alone.update_interval])

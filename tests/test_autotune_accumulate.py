@@ -176,9 +176,9 @@ def test_bytes_per_param_are_what_the_optimizer_holds(dtype, accumulate, grad_dt
         st = opt.stats()
     param_bytes = 4 if dtype == torch.float32 else 2
     assert st["accumulate"] == accumulate
-    # accumulate="host" here: two window sums (U = 4, overlap_steps None) and the landing ring, four chunks of the
-    # whole gradient on a model this small.
-    want = host_bytes_per_param(param_bytes, grad_dtype, accumulate, shapes=((128, 64),))
+    # accumulate="host" here: one window sum (overlap_steps="auto" is 1 on CPU tensors) and the landing ring, four
+    # chunks of the whole gradient on a model this small.
+    want = host_bytes_per_param(param_bytes, grad_dtype, accumulate, sums=1, shapes=((128, 64),))
     assert st["host_bytes_per_param"] == pytest.approx(want, abs=0.1)
     # Every dtype: a bf16 "host" holds no device buffer for the unselected columns either (the fused step's acc=None).
     assert st["device_bytes_per_param"] == pytest.approx(device_bytes_per_param(0.25, accumulate), abs=0.1)

@@ -139,7 +139,7 @@ def test_a_load_logs_host_lr_scale_and_overlap_steps(caplog) -> None:
     source = Net()
     src = ZenFlowAdamW(source.parameters(), **BASE, update_interval=4, host_lr_scale=0.5, overlap_steps=2)
     train_steps(source, src, range(6))
-    opt = ZenFlowAdamW(Net().parameters(), **BASE, update_interval=4)
+    opt = ZenFlowAdamW(Net().parameters(), **BASE, update_interval=4, overlap_steps=None)
     with caplog.at_level(logging.DEBUG, logger="zenflow_triton"):
         opt.load_state_dict(copy.deepcopy(src.state_dict()))
     records = [r for r in caplog.records if r.name.startswith("zenflow_triton")]
@@ -157,7 +157,7 @@ def test_a_load_logs_host_lr_scale_and_overlap_steps(caplog) -> None:
 def test_set_knobs_host_lr_scale_and_overlap_steps_equal_a_checkpoint_that_carries_them(changes, caplog) -> None:
     """Oracle: a checkpoint saved at the same step with the new values written into it, loaded into a fresh
     optimizer; neither knob restarts the window, so no flush."""
-    knobs = dict(**BASE, topk_ratio=0.25, update_interval=4)
+    knobs = dict(**BASE, topk_ratio=0.25, update_interval=4, overlap_steps=None)
     model = Net()
     opt = ZenFlowAdamW(model.parameters(), **knobs)
     train_steps(model, opt, range(6))  # mid-window, the last window's result still pending
@@ -183,7 +183,7 @@ def test_set_knobs_host_lr_scale_and_overlap_steps_equal_a_checkpoint_that_carri
     opt.flush()
     ref.flush()
     assert all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
-    opt.set_knobs(host_lr_scale=1.0, overlap_steps=None)  # and back to the defaults
+    opt.set_knobs(host_lr_scale=1.0, overlap_steps=None)  # and back to the start
     assert (opt.stats()["host_lr_scale"], opt.stats()["overlap_steps"]) == (1.0, None)
     opt.close()
     ref.close()

@@ -88,7 +88,7 @@ def _make(model, mode: str, **knobs) -> ZenFlowAdamW:
     """``mode``: "device", "host", or "capture" (accumulate="host" with grads_in_backward)."""
     base = dict(lr=2e-2, weight_decay=0.05, topk_ratio=0.25, update_interval=3, select_interval=6, warmup_steps=2,
                 min_offload_numel=MIN_OFFLOAD, accumulate="device" if mode == "device" else "host",
-                grads_in_backward=mode == "capture")
+                grads_in_backward=mode == "capture", overlap_steps=None)
     return ZenFlowAdamW(model.parameters(), **{**base, **knobs})
 
 
@@ -225,7 +225,8 @@ def _host_bytes(dtype, **knobs) -> tuple[float, object]:
     torch.manual_seed(0)
     width = 256
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(dtype)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval=4, **knobs)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, **{**dict(topk_ratio=0.1, update_interval=4, warmup_steps=0,
+                                                                overlap_steps=None), **knobs})
     for _ in range(3):
         opt.zero_grad()
         model(torch.randn(8, width, dtype=dtype)).float().pow(2).mean().backward()
@@ -241,6 +242,7 @@ def _host_bytes(dtype, **knobs) -> tuple[float, object]:
     (torch.bfloat16, dict(accumulate="device"), 18),
     (torch.bfloat16, dict(accumulate="host"), 22),
     (torch.bfloat16, dict(accumulate="host", overlap_steps=1), 18),
+    (torch.bfloat16, dict(accumulate="host", overlap_steps="auto"), 18),  # the default: 1 on CPU tensors
     (torch.bfloat16, dict(accumulate="host", grads_in_backward=True), 24),
     (torch.bfloat16, dict(accumulate="host", grads_in_backward=True, overlap_steps=1), 20),
     (torch.float32, dict(accumulate="device"), 16),

@@ -28,7 +28,8 @@ from zenflow_triton.kernels.cpu_adamw import host_adamw_
 # crossed (5 x 4099), and more elements than one thread's minimum (16K) so the parallel path runs.
 SHAPES = [(1, 1), (1, 37), (37, 1), (13, 127), (3, 63), (3, 65), (5, 4099), (130, 129)]
 PATTERNS = ["none", "all", "random", "runs"]
-KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=3, select_interval=6, min_offload_numel=MIN_OFFLOAD)
+KNOBS = dict(lr=2e-2, topk_ratio=0.2, update_interval=3, select_interval=6, min_offload_numel=MIN_OFFLOAD,
+             warmup_steps=0, overlap_steps=None)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

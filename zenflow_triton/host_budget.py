@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +31,7 @@ try:
 except ImportError:  # not POSIX (Windows): no rlimits to read
     resource = None
 
+from .autotune.model import landing_ring_bytes
 from .autotune.placement import HOST_COLUMN_BYTES, host_views, layout_of
 from .sharding import local_matrix_shape
 
@@ -234,15 +235,13 @@ def _config_fields() -> set[str]:
 
 def _ring_need(pipeline: Any, params: Sequence[torch.Tensor], mode: str) -> int:
     """accumulate="host" without grads_in_backward: the landing ring's bytes once ``params`` land beside the
-    parameters already offloaded (:func:`.staging.ring_bytes`; 0 where the ring made already is large enough)."""
+    parameters already offloaded (``staging.ring_bytes``; 0 where the ring made already is large enough)."""
     if mode != "host" or getattr(pipeline.config, "grads_in_backward", False) or not params:
         return 0
-    from .staging import ring_bytes
-
     bf16 = getattr(pipeline.config, "grad_dtype", "float32") == "bfloat16"
     sizes = [rec.rows * rec.cols * rec.slot_dtype.itemsize for rec in pipeline.records.values()]
     sizes += [math.prod(local_matrix_shape(p)) * (2 if bf16 else p.element_size()) for p in params]
-    want = ring_bytes(sum(sizes), max(sizes))
+    want = landing_ring_bytes(sum(sizes), max(sizes))  # staging.ring_bytes' rule, restated by the autotuner
     sums = getattr(pipeline, "_sums", None)
     have = sums.ring.nbytes if sums is not None and sums.ring is not None else 0
     return 0 if have >= want else want
@@ -251,7 +250,8 @@ def _ring_need(pipeline: Any, params: Sequence[torch.Tensor], mode: str) -> int:
 def _message(need: HostNeed, room: HostRoom, cuts: Sequence[str], what: str, ring: int = 0) -> str:
     count = f"{need.numel / 1e9:.3g} B" if need.numel >= 10**7 else f"{need.numel}"
     others = "; ".join(f"{k} {_gib(v)}" for k, v in room.bounds.items() if k != room.bound)
-    text = (f"zenflow_triton: {what}: the optimizer's host state needs {_gib(need.total)} ({need.total} bytes) for "
+    total = need.total + ring
+    text = (f"zenflow_triton: {what}: the optimizer's host state needs {_gib(total)} ({total} bytes) for "
             f"{count} offloaded parameters with accumulate={need.accumulate!r}: {need.breakdown()}, plus step "
             "counts and padding" + (f" and the landing ring ({_gib(ring)})" if ring else "") + "; "
             f"available {_gib(room.bytes or 0)} ({room.bytes} bytes, {room.bound}"
@@ -269,17 +269,17 @@ _pending = threading.local()
 _warned_memlock = False
 
 
-def preflight(pipeline: Any, params: Sequence[torch.Tensor], placement: str | None = None) -> tuple[str, str]:
-    """Decide where the window sums live (once: :func:`.auto.place_sums`, which weighs host memory too), compute
+def preflight(pipeline: Any, params: Sequence[torch.Tensor], place: Callable[..., tuple[str, str]],
+              placement: str | None = None) -> tuple[str, str]:
+    """Decide where the window sums live (once: ``place``, :func:`.auto.place_sums`, which weighs host memory too,
+    called with ``params``, the config and ``placement``), compute
     the host bytes of ``params``' slab and compare them with :func:`host_room`; return ``(accumulate, reason)``
     for the pipeline to keep. Raises :class:`HostMemoryError` before anything is decided or allocated."""
     global _warned_memlock
     if pipeline.accumulate is not None:
         mode, why = pipeline.accumulate, pipeline.accumulate_reason
     else:
-        from .auto import place_sums
-
-        mode, why = place_sums(params, pipeline.config, placement)
+        mode, why = place(params, pipeline.config, placement)
     need = host_need(params, pipeline.config, mode)
     room = host_room(pinned=need.pinned)
     _checks[pipeline] = (need, room)

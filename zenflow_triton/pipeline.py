@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .auto import place_sums
 from .config import ZenFlowConfig
 from .host_budget import preflight
 from .host_jobs import HostItem, Window, compile_host_kernels, run_host_job
@@ -261,7 +262,7 @@ class Pipeline:
         # cudaHostRegister acts in the current device's context (a thread with none set would create one on GPU 0).
         # Decided once, before any device buffer exists (acc is allocated by init/load after this); the pre-flight
         # refuses (HostMemoryError) before anything is decided or allocated when the host cannot hold the slab.
-        self.accumulate, self.accumulate_reason = preflight(self, params, placement)
+        self.accumulate, self.accumulate_reason = preflight(self, params, place_sums, placement)
         if self.accumulate == "host" and self._sums is None:
             self._sums = HostSums(device, capture=self.config.grads_in_backward)
         cfg = self.config
