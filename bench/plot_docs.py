@@ -37,10 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # quality_fair.py names them.
 CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1 warm=100 K=1": "ZenFlowAdamW defaults",
           "ZenFlow overlap s=1": "warmup_steps=0, overlap_steps=None"}
-# report_memory's optimizer names as the docs' tables show them, so a table pastes from the record unchanged.
+# report_memory's optimizer names as the docs' tables show them, so a table pastes from the record unchanged; a
+# variant's suffixes (", bf16 moments", ", overlap_steps=1") as the knobs that make it.
 DISPLAY = {"torch AdamW": "`torch.optim.AdamW`", "ZenFlow device": 'ZenFlowAdamW `accumulate="device"`',
            "ZenFlow host": 'ZenFlowAdamW `accumulate="host"`',
-           "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`'}
+           "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`',
+           "bf16 moments": '`state_dtype="bfloat16"`', "overlap_steps=1": "`overlap_steps=1`"}
+
+
+def display(name: str) -> str:
+    return ", ".join(DISPLAY.get(part, part) for part in name.split(", "))
 # Column and panel titles of the tasks (others: "NAME, STEPS steps").
 TASK_TITLES = {"finetune": "fine-tune, 200 steps", "scratch": "from scratch, 200 steps",
                "long": "from scratch, 1000 steps", "arith": "arithmetic from scratch, 300 steps",
@@ -71,13 +77,17 @@ def _pyplot():
 
 
 def measure_memory(*, steps: int, device: str) -> list[dict]:
-    """One row per (model dtype, optimizer): device held/peak B/param and host B/param."""
+    """One row per (model dtype, optimizer): device held/peak B/param and host B/param. For a bf16 model also each
+    ZenFlowAdamW mode with bf16 moments, and accumulate="host" at overlap_steps=1 (one window sum), with either."""
     import torch
     from report_memory import measure, mlp, optimizers
 
+    lean = optimizers(overlap_steps=1, state_dtypes=True)
+    bf16 = {**optimizers(state_dtypes=True), **{f"{name}, overlap_steps=1": make for name, make in lean.items()
+                                                 if name.startswith("ZenFlow host")}}
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for name, make in optimizers().items():
+        for name, make in (bf16 if dtype == torch.bfloat16 else optimizers()).items():
             fig = measure(make, dtype=dtype, device=device, steps=steps)
             model = mlp(4, 1024, dtype, device)
             opt = make(model)
@@ -102,7 +112,7 @@ def largest_models(rows: list[dict]) -> list[dict]:
         if r["model"] != "bfloat16":
             continue
         fits = [largest(r["device_held"], r["host"], gpu, host) for _, gpu, host in MACHINES]
-        out.append({"optimizer": DISPLAY.get(r["optimizer"], r["optimizer"]),
+        out.append({"optimizer": display(r["optimizer"]),
                     "fits": [(n / 1e9, why) for n, why in fits]})
     for name, host_b in PEERS_HOST.items():
         out.append({"optimizer": f"{name} ({host_b:g} host B/param)",
@@ -118,7 +128,7 @@ def render_memory(doc: dict) -> str:
              "host B/param |", "|---|---|---:|---:|---:|"]
     for r in doc["rows"]:
         host = f"{r['host']:.1f}" if r["host"] else "–"
-        name = DISPLAY.get(r["optimizer"], r["optimizer"])
+        name = display(r["optimizer"])
         lines.append(f"| {name} | {r['model']} | {r['device_held']:.2f} | {r['device_peak']:.2f} | {host} |")
     lines += ["", f"Largest bf16 model whose training state fits, billions of parameters ({GPU_USABLE:.0%} of the "
               f"GPU and {HOST_USABLE:.0%} of the host usable; ours from the held figures above, the peers from "
@@ -132,11 +142,11 @@ def render_memory(doc: dict) -> str:
 def plot_memory(rows: list[dict], png: Path) -> None:
     plt = _pyplot()
     bf16 = [r for r in rows if r["model"] == "bfloat16"]
-    names = [DISPLAY.get(r["optimizer"], r["optimizer"]).replace("`", "") for r in bf16]
+    names = [display(r["optimizer"]).replace("`", "") for r in bf16]
     names += [name.replace("`", "") for name in PEERS_HOST]
     device = [r["device_held"] for r in bf16] + [0.0] * len(PEERS_HOST)
     host = [r["host"] for r in bf16] + list(PEERS_HOST.values())
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.26 * len(names)), dpi=90)
     ys = range(len(names))
     ax.barh([y - 0.2 for y in ys], device, height=0.4, label="device, held (measured)", color="#1f77b4")
     ax.barh([y + 0.2 for y in ys], host, height=0.4, color="#ff7f0e",
