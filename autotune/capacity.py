@@ -140,17 +140,25 @@ def _check(rows: Sequence[Mode], gpu: float | None, host: float | None) -> list[
                          host_usable=1.0)) for r in rows]
 
 
+def _report(what: str, param_bytes: int, grad_dtype: str, topk_ratio: float,
+            machine: tuple[float | None, str, float | None, str] | None) -> tuple[list[str], list, int]:
+    """The first lines of a report on each mode for this machine, the rows checked and the mode column's width."""
+    gpu, name, host, bound = this_machine() if machine is None else machine
+    checked = _check(modes(param_bytes=param_bytes, grad_dtype=grad_dtype, topk_ratio=topk_ratio), gpu, host)
+    width = max([46] + [len(r.label) for r, _, _ in checked])
+    return [f"{what} ({param_bytes} B per parameter, grad_dtype {grad_dtype}, topk_ratio {topk_ratio:g}); "
+            f"{_machine_line(gpu, name, host, bound)}", ""], checked, width
+
+
 def fit_report(params: float, *, param_bytes: int = 2, grad_dtype: str = "float32", topk_ratio: float = 0.1,
                machine: tuple[float | None, str, float | None, str] | None = None) -> str:
     """Per mode, the device and host bytes of a ``params``-parameter model and whether it fits this machine."""
-    gpu, name, host, bound = this_machine() if machine is None else machine
-    rows = modes(param_bytes=param_bytes, grad_dtype=grad_dtype, topk_ratio=topk_ratio)
-    lines = [f"{params / 1e9:g}B parameters ({param_bytes} B each, grad_dtype {grad_dtype}, topk_ratio "
-             f"{topk_ratio:g}); {_machine_line(gpu, name, host, bound)}", "",
-             f"  {'mode':<46} {'device B/param':>14} {'device GiB':>10} {'host B/param':>12} {'host GiB':>9}  fits"]
-    for r, most, why in _check(rows, gpu, host):
+    lines, checked, w = _report(f"{params / 1e9:g}B parameters", param_bytes, grad_dtype, topk_ratio, machine)
+    lines.append(f"  {'mode':<{w}} {'device B/param':>14} {'device GiB':>10} {'host B/param':>12} {'host GiB':>9}"
+                 "  fits")
+    for r, most, why in checked:
         verdict = "yes" if params <= most else f"no ({why} memory)"
-        lines.append(f"  {r.label:<46} {r.device:>14.2f} {params * r.device / 2**30:>10.1f} {r.host:>12g} "
+        lines.append(f"  {r.label:<{w}} {r.device:>14.2f} {params * r.device / 2**30:>10.1f} {r.host:>12g} "
                      f"{params * r.host / 2**30:>9.1f}  {verdict}")
     return "\n".join(lines)
 
@@ -158,13 +166,10 @@ def fit_report(params: float, *, param_bytes: int = 2, grad_dtype: str = "float3
 def max_report(*, param_bytes: int = 2, grad_dtype: str = "float32", topk_ratio: float = 0.1,
                machine: tuple[float | None, str, float | None, str] | None = None) -> str:
     """Per mode, the largest model whose training state fits this machine, and the memory that bounds it."""
-    gpu, name, host, bound = this_machine() if machine is None else machine
-    rows = modes(param_bytes=param_bytes, grad_dtype=grad_dtype, topk_ratio=topk_ratio)
-    lines = [f"largest model per mode ({param_bytes} B per parameter, grad_dtype {grad_dtype}, topk_ratio "
-             f"{topk_ratio:g}); {_machine_line(gpu, name, host, bound)}", "",
-             f"  {'mode':<46} {'device B/param':>14} {'host B/param':>12} {'largest':>10}  bound"]
-    for r, most, why in _check(rows, gpu, host):
-        lines.append(f"  {r.label:<46} {r.device:>14.2f} {r.host:>12g} {most / 1e9:>9.2f}B  {why}")
+    lines, checked, w = _report("largest model per mode", param_bytes, grad_dtype, topk_ratio, machine)
+    lines.append(f"  {'mode':<{w}} {'device B/param':>14} {'host B/param':>12} {'largest':>10}  bound")
+    for r, most, why in checked:
+        lines.append(f"  {r.label:<{w}} {r.device:>14.2f} {r.host:>12g} {most / 1e9:>9.2f}B  {why}")
     return "\n".join(lines)
 
 
