@@ -70,6 +70,37 @@ def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(mo
     opt.close()
 
 
+def test_an_item_being_written_at_the_timeout_writes_nothing_into_the_parameters(monkeypatch) -> None:
+    """The job is inside an item's kernel when its timeout passes, and finishes that item later: its writes land in
+    the storage the parameter had (its own master), which the parameter no longer uses, not in the restored model."""
+    import zenflow_triton.kernels.cpu_adamw as cpu_adamw
+
+    original = cpu_adamw.host_adamw_
+    inside = threading.Event()
+
+    def slow(master, *args, **kwargs):
+        if master.numel() > 256:  # an item of the window, not the kernels' warm-up on tiny arrays
+            inside.set()
+            time.sleep(1.0)
+        return original(master, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_adamw, "host_adamw_", slow)
+    monkeypatch.setattr(zpipe, "_host_kernels_requested", True)  # loaded by the fixture: no warm-up job first
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), **{**KNOBS, "update_interval": 1, "select_interval": 4},
+                       overlap=False, worker_timeout=0.3)
+    saved = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="worker_timeout"):
+        train_steps(model, opt, range(1))
+    assert inside.is_set()
+    own = [p for p, rec in opt._pipeline.records.items() if rec.master_is_param]
+    assert own, "no parameter is its own master here: the test would prove nothing"
+    model.load_state_dict(saved)  # the user restores the model, as after any failed step
+    time.sleep(2.5)  # the hung items have finished by now
+    assert _same_tensors(model.state_dict(), saved), "an item written past the timeout reached the parameters"
+    opt.close()
+
+
 def _hang_host_jobs(monkeypatch) -> threading.Event:
     """Every host job hangs until the returned event is set (30 s at most)."""
     release = threading.Event()

@@ -61,7 +61,8 @@ def run_host_job(items: list[HostItem], ready: Sequence[torch.cuda.Event], num_t
     ``ready``: CUDA events to wait for first (the window sums' device-to-host copies, and the last merge's
     host-to-device copies, which read the host arrays this job writes). Once an item's ``cancelled`` is set (the
     job overran worker_timeout) it writes nothing more: it stops before its next item, so a parameter that the user
-    restored after the timeout stays as restored (an item being written finishes)."""
+    restored after the timeout stays as restored (an item being written finishes, into a parameter's old storage
+    where the parameter is its own master: ``Pipeline._detach_own_masters``)."""
     # Imported here, not at the top: ``import zenflow_triton`` stays free of numba until a window runs.
     from .kernels.cpu_adamw import host_adamw_
 

@@ -538,6 +538,8 @@ class Pipeline:
                 return worker.wait(job, self.config.worker_timeout)
             except WorkerError as exc:
                 self.failure, self._job = exc, None
+                if worker.cancelled.is_set():
+                    self._detach_own_masters()
                 raise
             except BaseException as exc:
                 if job.done() and job.exception() is exc:
@@ -546,6 +548,15 @@ class Pipeline:
                 if not isinstance(exc, (KeyboardInterrupt, SystemExit)) or self.interrupt is not None:
                     raise
                 self.interrupt = exc
+
+    def _detach_own_masters(self) -> None:
+        """After a job overran worker_timeout: each parameter that is its own host master (fp32 on CPU tensors
+        without overlap) gets storage of its own, holding what the job had written by then, so the item the hung job
+        may still be writing lands in memory nothing reads, not in a model the user restores from a checkpoint."""
+        with torch.no_grad():
+            for p, rec in self.records.items():
+                if rec.master_is_param:
+                    p.data = p.data.clone()
 
     def _merge(self, p: torch.Tensor, st: dict[str, Any], rec: OffloadedParam) -> None:
         source = rec.snapshot if rec.snapshot is not None else st["host_master"]
