@@ -142,11 +142,11 @@ def render_memory(doc: dict) -> str:
 def plot_memory(rows: list[dict], png: Path) -> None:
     plt = _pyplot()
     bf16 = [r for r in rows if r["model"] == "bfloat16"]
-    names = [display(r["optimizer"]).replace("`", "") for r in bf16]
+    names = [display(r["optimizer"]).replace("`", "").replace("ZenFlowAdamW ", "ZenFlow ") for r in bf16]
     names += [name.replace("`", "") for name in PEERS_HOST]
     device = [r["device_held"] for r in bf16] + [0.0] * len(PEERS_HOST)
     host = [r["host"] for r in bf16] + list(PEERS_HOST.values())
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.26 * len(names)), dpi=90)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.26 * len(names)), dpi=90)
     ys = range(len(names))
     ax.barh([y - 0.2 for y in ys], device, height=0.4, label="device, held (measured)", color="#1f77b4")
     ax.barh([y + 0.2 for y in ys], host, height=0.4, color="#ff7f0e",
@@ -159,7 +159,7 @@ def plot_memory(rows: list[dict], png: Path) -> None:
     ax.set_yticks(list(ys), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("bytes per parameter, bf16 model (r = 0.1)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right")
     ax.set_title("Memory per mode: ZenFlowAdamW beside torch AdamW and the offloading peers", fontsize=9)
     fig.tight_layout()
     fig.savefig(png)
