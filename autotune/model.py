@@ -448,7 +448,7 @@ def _host_sums(profile: Profile, workload: Workload, u: int, period_s: float, cp
     land_s = _copy_seconds(d2h_curve, workload.shapes, gbytes)  # one step's gradients, whole tensors
     add_step_s = host_add_seconds(profile, workload.shapes, gbytes, threads)
     if workload.device == "cuda":
-        # The copy stream and the adder each have two landing slots: the slower stage sets the pace.
+        # The copy stream and the adder work through the landing ring chunk by chunk: the slower stage sets the pace.
         job_s = land_s + add_step_s + cpu_s
         copy_s = h2d_s + u * max(0.0, max(land_s, add_step_s) - period_s)
     else:

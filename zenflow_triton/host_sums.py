@@ -54,7 +54,7 @@ def run_add_job(items: list[AddItem], ready: torch.cuda.Event | None, num_thread
 
     start = time.perf_counter()
     if ready is not None:
-        ready.synchronize()  # the landing slots are filled by an asynchronous device-to-host copy
+        ready.synchronize()  # the capture slots are filled by an asynchronous device-to-host copy
     for it in items:
         if it.after is not None:
             it.after.result()  # the previous window's job has read the sum this add overwrites
