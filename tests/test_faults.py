@@ -48,9 +48,25 @@ def _same_tensors(a, b) -> bool:
 # ------------------------------------------------------------------------------------------- timeouts (1, 2)
 
 
+def _timeout_then_restore(wait_s: float) -> tuple[nn.Module, ZenFlowAdamW, dict]:
+    """A first step whose host job overruns worker_timeout=0.3 s, on CPU fp32 tensors without overlap (every
+    offloaded parameter is its own host master); the model restored as a user would after any failed step; then
+    ``wait_s`` seconds for the late work to finish."""
+    model = Net()
+    opt = ZenFlowAdamW(model.parameters(), **{**KNOBS, "update_interval": 1, "select_interval": 4},
+                       overlap=False, worker_timeout=0.3)
+    saved = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="worker_timeout"):
+        train_steps(model, opt, range(1))
+    assert any(rec.master_is_param for rec in opt._pipeline.records.values()), "the test would prove nothing"
+    model.load_state_dict(saved)
+    time.sleep(wait_s)
+    return model, opt, saved
+
+
 @pytest.mark.slow
 def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(monkeypatch) -> None:
-    # overlap=False on CPU fp32 tensors: the host kernel's master is the parameter itself.
+    """The job starts after its timeout: it writes nothing (it checks before each item)."""
     original = zpipe.run_host_job
 
     def late(*args):
@@ -58,18 +74,12 @@ def test_a_job_finishing_after_its_timeout_writes_nothing_into_the_parameters(mo
         return original(*args)
 
     monkeypatch.setattr(zpipe, "run_host_job", late)
-    model = Net()
-    opt = ZenFlowAdamW(model.parameters(), **{**KNOBS, "update_interval": 1, "select_interval": 4},
-                       overlap=False, worker_timeout=0.3)
-    saved = copy.deepcopy(model.state_dict())
-    with pytest.raises(RuntimeError, match="worker_timeout"):
-        train_steps(model, opt, range(1))
-    model.load_state_dict(saved)  # the user restores the model, as after any failed step
-    time.sleep(1.5)  # the late job has finished by now
+    model, opt, saved = _timeout_then_restore(1.5)
     assert _same_tensors(model.state_dict(), saved), "a job cancelled by its timeout wrote into the parameters"
     opt.close()
 
 
+@pytest.mark.slow
 def test_an_item_being_written_at_the_timeout_writes_nothing_into_the_parameters(monkeypatch) -> None:
     """The job is inside an item's kernel when its timeout passes, and finishes that item later: its writes land in
     the storage the parameter had (its own master), which the parameter no longer uses, not in the restored model."""
@@ -86,17 +96,8 @@ def test_an_item_being_written_at_the_timeout_writes_nothing_into_the_parameters
 
     monkeypatch.setattr(cpu_adamw, "host_adamw_", slow)
     monkeypatch.setattr(zpipe, "_host_kernels_requested", True)  # loaded by the fixture: no warm-up job first
-    model = Net()
-    opt = ZenFlowAdamW(model.parameters(), **{**KNOBS, "update_interval": 1, "select_interval": 4},
-                       overlap=False, worker_timeout=0.3)
-    saved = copy.deepcopy(model.state_dict())
-    with pytest.raises(RuntimeError, match="worker_timeout"):
-        train_steps(model, opt, range(1))
+    model, opt, saved = _timeout_then_restore(2.5)
     assert inside.is_set()
-    own = [p for p, rec in opt._pipeline.records.items() if rec.master_is_param]
-    assert own, "no parameter is its own master here: the test would prove nothing"
-    model.load_state_dict(saved)  # the user restores the model, as after any failed step
-    time.sleep(2.5)  # the hung items have finished by now
     assert _same_tensors(model.state_dict(), saved), "an item written past the timeout reached the parameters"
     opt.close()
 
