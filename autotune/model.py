@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from .placement import host_views
+from .placement import host_views, ring_bytes
 from .profile import BandwidthCurve, DeviceOpRates, GpuInfo, Profile
 from .results import Plan, Prediction, format_count, format_seconds
 
@@ -73,7 +73,6 @@ __all__ = [
     "host_add_seconds",
     "host_assumptions",
     "host_bytes_per_param",
-    "landing_ring_bytes",
     "slot_bytes",
     "GRAD_BYTES",
     "STATE_BYTES",
@@ -383,18 +382,8 @@ def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "d
     if accumulate == "host" and shapes and not grads_in_backward:
         slot = slot_bytes(param_bytes, grad_dtype)
         sizes = [r * c * slot for r, c in shapes]
-        ring = landing_ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
+        ring = ring_bytes(sum(sizes), max(sizes)) / sum(r * c for r, c in shapes)
     return float(sum(sum(each) for each in views.values())) + ring
-
-
-def landing_ring_bytes(total_bytes: int, largest_bytes: int) -> int:
-    """accumulate="host"'s landing ring for a step that lands ``total_bytes`` of gradient (the largest parameter's
-    ``largest_bytes``): 4 chunks of ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, each rounded up to 64 bytes.
-    The optimizer's rule is ``zenflow_triton.staging.ring_bytes``; restated here so that the model imports nothing
-    outside the autotuner (tests/test_staging.py checks that the two agree)."""
-    share = max(-(-total_bytes // 64), 256 << 10)
-    chunk = max(1, min(largest_bytes, share, 16 << 20))
-    return 4 * (-(-chunk // 64) * 64)
 
 
 def host_add_bytes_per_s(profile: Profile) -> float:

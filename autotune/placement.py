@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_COLUMN_BYTES", "PLACEMENT_FRACTION", "Placement", "host_bytes_per_element", "host_views",
-           "layout_of", "place_accumulation", "window_sums"]
+__all__ = ["HOST_COLUMN_BYTES", "PLACEMENT_FRACTION", "RING_CHUNKS", "Placement", "host_bytes_per_element",
+           "host_views", "layout_of", "place_accumulation", "planless_overlap_steps", "ring_bytes", "ring_chunk_bytes",
+           "window_sums"]
 
 # Share of the memory left at the step's peak that the optimizer's device state may take with accumulate="device":
 # the rest absorbs allocator fragmentation and later growth (longer sequences, a larger evaluation batch). The same
@@ -25,6 +26,46 @@ PLACEMENT_FRACTION = 0.9
 
 # The host slab's per-column entry of every offloaded parameter: ``host_col_step`` (int32 [C]).
 HOST_COLUMN_BYTES = 4
+
+
+# accumulate="host"'s landing ring (zenflow_triton.staging.LandingRing): four chunks, one being filled by the copy,
+# one being added, two slack for the copy and the adder to run at different paces within a step. A chunk is at most
+# 1/64 of one step's landed gradient bytes (the ring at most 1/16 of them), never below 256 KiB (each piece is one
+# copy and one add call: smaller pieces would spend a large model's step on their overheads) unless the largest
+# gradient is smaller, never above 16 MiB (the ring then costs 64 MiB at most, 0.01 B/param on a 7B model).
+RING_CHUNKS = 4
+RING_FRACTION = 64
+RING_MIN_CHUNK_BYTES = 256 << 10
+RING_MAX_CHUNK_BYTES = 16 << 20
+
+
+def ring_chunk_bytes(total_bytes: int, largest_bytes: int, *, fraction: int = RING_FRACTION,
+                     min_chunk: int = RING_MIN_CHUNK_BYTES, max_chunk: int = RING_MAX_CHUNK_BYTES) -> int:
+    """The ring's chunk for a step that lands ``total_bytes`` of gradient, the largest parameter's being
+    ``largest_bytes``: ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, rounded up to 64 bytes (any dtype's
+    view). The keywords exist for tests that shrink the ring."""
+    share = max(-(-total_bytes // fraction), min_chunk)
+    return -(-max(1, min(largest_bytes, share, max_chunk)) // 64) * 64
+
+
+def ring_bytes(total_bytes: int, largest_bytes: int) -> int:
+    """Host bytes of the landing ring for those gradients (:func:`ring_chunk_bytes` × :data:`RING_CHUNKS`)."""
+    return RING_CHUNKS * ring_chunk_bytes(total_bytes, largest_bytes)
+
+
+def planless_overlap_steps(config: Any, device_type: str | None) -> Any:
+    """``overlap_steps`` as it is without a plan: the config's own value unless "auto"; "auto" is None without
+    overlap, 1 when the other knobs are fixed and the offloaded tensors are on the CPU (``device_type`` "cpu", or
+    None for none: no GPU to keep busy, and the quality measurements that chose it ran there), else still "auto"
+    (the autotuner plans it). ``config``: a ZenFlowConfig or anything with its fields (absent ones: its defaults)."""
+    k = getattr(config, "overlap_steps", "auto")
+    if k != "auto":
+        return k
+    if not getattr(config, "overlap", True):
+        return None
+    knobs = (getattr(config, "topk_ratio", 0.1), getattr(config, "update_interval", 4),
+             getattr(config, "host_lr_scale", 1.0))
+    return 1 if "auto" not in knobs and device_type in (None, "cpu") else "auto"
 
 
 def window_sums(overlap: bool, update_interval: Any, overlap_steps: Any) -> int:
@@ -50,7 +91,7 @@ def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32"
     ``sums`` fp32 ``window_sums`` (:func:`window_sums`) and, with ``capture`` (grads_in_backward), one
     ``capture_slot`` (bf16 with grad_dtype bfloat16, else the gradient's own dtype); a ``snapshot`` in the model
     dtype unless fp32. Plus :data:`HOST_COLUMN_BYTES` per column, and each view padded to 64 bytes. Without
-    ``capture``, "host" lands gradients in the pipeline's ring (``staging.ring_bytes``), not in the slab."""
+    ``capture``, "host" lands gradients in the pipeline's ring (:func:`ring_bytes`), not in the slab."""
     if accumulate not in ("device", "host"):
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of ('device', 'host'))")
     moment = 2 if state_dtype == "bfloat16" else 4
@@ -66,17 +107,13 @@ def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32"
 
 def layout_of(config: Any, device_type: str | None = "cuda") -> dict[str, Any]:
     """:func:`host_views`' keywords for a :class:`~zenflow_triton.config.ZenFlowConfig` (or anything with its
-    fields; absent ones take the config's defaults) on ``device_type``'s tensors: ``overlap_steps="auto"`` is 1 on
-    CPU tensors with the other knobs fixed (``ZenFlowConfig.without_planning``), else planned: counted as two sums."""
-    overlap = getattr(config, "overlap", True)
-    u = getattr(config, "update_interval", 4)
-    k = getattr(config, "overlap_steps", "auto")
-    if k == "auto":
-        fixed = "auto" not in (getattr(config, "topk_ratio", 0.1), u, getattr(config, "host_lr_scale", 1.0))
-        k = None if not overlap else 1 if fixed and device_type in (None, "cpu") else "auto"
+    fields; absent ones take the config's defaults) on ``device_type``'s tensors: the window sums of the schedule
+    without a plan (:func:`planless_overlap_steps`; a planned "auto" counts as two) and the capture slot."""
+    sums = window_sums(getattr(config, "overlap", True), getattr(config, "update_interval", 4),
+                       planless_overlap_steps(config, device_type))
     return {"grad_dtype": getattr(config, "grad_dtype", "float32"),
             "state_dtype": getattr(config, "state_dtype", "float32"),
-            "sums": window_sums(overlap, u, k), "capture": bool(getattr(config, "grads_in_backward", False))}
+            "sums": sums, "capture": bool(getattr(config, "grads_in_backward", False))}
 
 
 def host_bytes_per_element(config: Any, accumulate: str, param_bytes: int, *, own_master: bool = False,

@@ -16,7 +16,7 @@ import zenflow_triton.host_sums as zsums
 import zenflow_triton.pipeline as zpipe
 import zenflow_triton.staging as staging
 from zenflow_triton import ZenFlowAdamW
-from zenflow_triton.autotune.model import landing_ring_bytes
+from zenflow_triton.autotune import placement
 from zenflow_triton.staging import RING_CHUNKS, LandingRing, ring_bytes, ring_chunk_bytes, window_sums
 
 
@@ -40,7 +40,7 @@ def test_chunk_size_follows_the_budget() -> None:
 @pytest.mark.parametrize("total,largest", [(1, 1), (100, 10), (4 << 20, 100 << 10), (64 << 20, 8 << 20),
                                            (3 << 30, 1 << 28), (1 << 40, 1 << 34), (12345678, 1234567)])
 def test_the_autotuner_sizes_the_ring_as_the_optimizer(total, largest) -> None:
-    assert landing_ring_bytes(total, largest) == ring_bytes(total, largest)
+    assert placement.ring_bytes(total, largest) == ring_bytes(total, largest)
 
 
 @pytest.mark.parametrize("overlap,u,k,want", [

@@ -148,15 +148,13 @@ class ZenFlowConfig:
                 or (self.overlap_steps == "auto" and self.overlap))
 
     def without_planning(self, device_type: str | None) -> ZenFlowConfig | None:
-        """This config with ``overlap_steps="auto"`` resolved where no plan is needed, None where one is: without
-        overlap it is None; when the other knobs are fixed and the offloaded tensors are on the CPU (``device_type``
-        "cpu", or None for none), 1: no GPU to keep busy, and the quality measurements that chose it ran there."""
-        if self.overlap_steps != "auto":
-            return self
-        if not self.overlap:
-            return self.replace(overlap_steps=None)
-        fixed = "auto" not in (self.topk_ratio, self.update_interval, self.host_lr_scale)
-        return self.replace(overlap_steps=1) if fixed and device_type in (None, "cpu") else None
+        """This config with ``overlap_steps="auto"`` resolved where no plan is needed, None where one is
+        (:func:`~zenflow_triton.autotune.placement.planless_overlap_steps`: None without overlap, 1 on CPU tensors
+        with the other knobs fixed)."""
+        from .autotune.placement import planless_overlap_steps  # autotune's bridge imports this module
+
+        k = planless_overlap_steps(self, device_type)
+        return None if k == "auto" else self.replace(overlap_steps=k)
 
     def merge_due(self, tau: int) -> bool:
         """Whether step ``tau`` (after warm-up) merges the last window's host result before the next window end:

@@ -31,8 +31,7 @@ try:
 except ImportError:  # not POSIX (Windows): no rlimits to read
     resource = None
 
-from .autotune.model import landing_ring_bytes
-from .autotune.placement import HOST_COLUMN_BYTES, host_views, layout_of
+from .autotune.placement import HOST_COLUMN_BYTES, host_views, layout_of, ring_bytes
 from .sharding import local_matrix_shape
 
 __all__ = ["HostMemoryError", "HostNeed", "HostRoom", "allocation_failed", "host_need", "host_room", "preflight",
@@ -235,13 +234,13 @@ def _config_fields() -> set[str]:
 
 def _ring_need(pipeline: Any, params: Sequence[torch.Tensor], mode: str) -> int:
     """accumulate="host" without grads_in_backward: the landing ring's bytes once ``params`` land beside the
-    parameters already offloaded (``staging.ring_bytes``; 0 where the ring made already is large enough)."""
+    parameters already offloaded (:func:`.placement.ring_bytes`; 0 where the ring made already is large enough)."""
     if mode != "host" or getattr(pipeline.config, "grads_in_backward", False) or not params:
         return 0
     bf16 = getattr(pipeline.config, "grad_dtype", "float32") == "bfloat16"
     sizes = [rec.rows * rec.cols * rec.slot_dtype.itemsize for rec in pipeline.records.values()]
     sizes += [math.prod(local_matrix_shape(p)) * (2 if bf16 else p.element_size()) for p in params]
-    want = landing_ring_bytes(sum(sizes), max(sizes))  # staging.ring_bytes' rule, restated by the autotuner
+    want = ring_bytes(sum(sizes), max(sizes))
     sums = getattr(pipeline, "_sums", None)
     have = sums.ring.nbytes if sums is not None and sums.ring is not None else 0
     return 0 if have >= want else want

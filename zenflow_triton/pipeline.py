@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .auto import place_sums
+from .autotune.placement import layout_of
 from .config import ZenFlowConfig
 from .host_budget import preflight
 from .host_jobs import HostItem, Window, compile_host_kernels, run_host_job
@@ -36,7 +37,7 @@ from .host_memory import HostSlab
 from .host_sums import HostSums
 from .kernels import DeviceOps, load_device_ops
 from .sharding import local
-from .staging import MergeStaging, window_sums
+from .staging import MergeStaging
 from .state import OffloadedParam, allocate, device_state_bytes, init_offloaded, load_offloaded, rehome
 from .telemetry import Stats
 from .worker import HostWorker, WorkerError, host_thread_share
@@ -266,12 +267,12 @@ class Pipeline:
         if self.accumulate == "host" and self._sums is None:
             self._sums = HostSums(device, capture=self.config.grads_in_backward)
         cfg = self.config
-        # overlap_steps="auto" is 1 on CPU tensors (config.py): one window sum there; planned on a GPU, counted as 2.
-        fixed = cfg.without_planning(device.type) or cfg
+        # The layout the pre-flight counted (placement.layout_of): one window sum where overlap_steps is 1 without a
+        # plan ("auto" on CPU tensors), two where "auto" waits for one.
+        layout = layout_of(cfg, device.type)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return allocate(params, state, grad_dtype=grad_dtype, overlap=cfg.overlap, host_sums=self.host_sums,
-                            sums=window_sums(cfg.overlap, cfg.update_interval, fixed.overlap_steps),
-                            capture=cfg.grads_in_backward, state_dtype=cfg.state_dtype)
+                            sums=layout["sums"], capture=layout["capture"], state_dtype=cfg.state_dtype)
 
     @property
     def host_sums(self) -> bool:

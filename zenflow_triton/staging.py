@@ -18,35 +18,32 @@ from typing import Any
 
 import torch
 
-from .autotune.placement import window_sums
-from .host_memory import ALIGN_BYTES, HostSlab
+from .autotune import placement
+from .autotune.placement import (
+    RING_CHUNKS,
+    RING_FRACTION,
+    RING_MAX_CHUNK_BYTES,
+    RING_MIN_CHUNK_BYTES,
+    window_sums,
+)
+from .host_memory import HostSlab
 
 __all__ = ["MergeStaging", "LandingRing", "RING_CHUNKS", "ring_bytes", "ring_chunk_bytes", "window_sums"]
 
-# Four chunks: one being filled by the copy, one being added, two slack for the copy and the adder to run at
-# different paces within a step.
-RING_CHUNKS = 4
-# A chunk is at most 1/64 of one step's landed gradient bytes (the ring at most 1/16 of them), never below
-# _MIN_CHUNK_BYTES (each piece is one copy and one add call: smaller pieces would spend a large model's step on
-# their overheads) unless the largest parameter's gradient is smaller, and never above _MAX_CHUNK_BYTES (the ring
-# then costs 64 MiB at most, 0.01 B/param on a 7B model).
-_RING_FRACTION = 64
-_MIN_CHUNK_BYTES = 256 << 10
-_MAX_CHUNK_BYTES = 16 << 20
+# The ring's rule is the host layout's (autotune/placement.py: RING_CHUNKS, ring_chunk_bytes); its bounds are named
+# here too so that tests can shrink the ring.
+_RING_FRACTION = RING_FRACTION
+_MIN_CHUNK_BYTES = RING_MIN_CHUNK_BYTES
+_MAX_CHUNK_BYTES = RING_MAX_CHUNK_BYTES
 
 # A chunk claimed for a piece whose add is not submitted yet (it is in the batch being gathered).
 _GATHERING = object()
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
 def ring_chunk_bytes(total_bytes: int, largest_bytes: int) -> int:
-    """The ring's chunk size for a step that lands ``total_bytes`` of gradient, the largest parameter's gradient
-    being ``largest_bytes``: ``min(largest, max(total / 64, 256 KiB), 16 MiB)``, rounded up to 64 bytes."""
-    share = max(-(-total_bytes // _RING_FRACTION), _MIN_CHUNK_BYTES)
-    return _round_up(max(1, min(largest_bytes, share, _MAX_CHUNK_BYTES)), ALIGN_BYTES)
+    """The ring's chunk for a step that lands ``total_bytes`` of gradient (:func:`.placement.ring_chunk_bytes`)."""
+    return placement.ring_chunk_bytes(total_bytes, largest_bytes, fraction=_RING_FRACTION, min_chunk=_MIN_CHUNK_BYTES,
+                                      max_chunk=_MAX_CHUNK_BYTES)
 
 
 def ring_bytes(total_bytes: int, largest_bytes: int) -> int:
