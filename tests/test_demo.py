@@ -64,6 +64,9 @@ def test_quick_run_prints_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     # Both finished with a finite, plausible loss (nats per byte: 256-way, so below ln 256 = 5.55).
     for row in (adamw, zen):
         assert 0.0 < float(row.split()[1]) < 5.55, row
+    # --quick's short warm-up (8 steps) leaves room for selection: columns were selected, and hold more than their
+    # share of the gradient's energy.
+    assert 0.0 < float(zen.split()[6]) < float(zen.split()[7]), zen
     # The ratio column is ZenFlow's held-out loss over AdamW's.
     assert float(zen.split()[2]) == pytest.approx(float(zen.split()[1]) / float(adamw.split()[1]), abs=1e-3)
 
@@ -115,7 +118,8 @@ def test_help_shows_every_default_and_choice() -> None:
         assert "default" in help_text, (action.option_strings, help_text)
     text = parser.format_help()
     assert "{" + ",".join(BACKENDS) + "}" in text
-    for shown in ("(default: 200, or 40 with --quick)", "(default: 800, or 150 with --quick)", "(default: 0.1)"):
+    for shown in ("(default: 200, or 40 with --quick)", "(default: 800, or 150 with --quick)", "(default: 0.1)",
+                  "(default: ZenFlowAdamW's, 100, or 8 with --quick)"):
         assert shown in " ".join(text.split()), text
 
 

@@ -48,6 +48,8 @@ DEFAULT_PLOT = "zenflow_demo.png"
 
 BACKENDS = ("auto", "triton", "numba", "torch")
 QUICK_STEPS, QUICK_PRETRAIN_STEPS = 40, 150
+# ZenFlowAdamW's warm-up (exact AdamW on everything) with --quick: the optimizer's default 100 would outlast the run.
+QUICK_WARMUP_STEPS = 8
 DEFAULT_STEPS, DEFAULT_PRETRAIN_STEPS = 200, 800
 
 
@@ -134,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="ZenFlow: steps per host window (the other columns get one CPU Adam update per window)",
     )
     parser.add_argument(
+        "--warmup-steps",
+        type=_int_at_least(0),
+        default=None,
+        metavar="W",
+        help="ZenFlow: steps of exact AdamW before selection starts (default: ZenFlowAdamW's, 100, or "
+        f"{QUICK_WARMUP_STEPS} with --quick)",
+    )
+    parser.add_argument(
         "--backend",
         choices=BACKENDS,
         default="auto",
@@ -174,6 +184,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     if args.steps is None:
         args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.warmup_steps is None and args.quick:
+        args.warmup_steps = QUICK_WARMUP_STEPS
     if args.pretrain_steps is None:
         args.pretrain_steps = QUICK_PRETRAIN_STEPS if args.quick else DEFAULT_PRETRAIN_STEPS
     args.device = _check_device(parser, args.device)
@@ -227,6 +239,7 @@ def _check_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def _zenflow_kwargs(args: argparse.Namespace, *, cpu_threads: int | None) -> dict[str, Any]:
+    warmup = {} if args.warmup_steps is None else {"warmup_steps": args.warmup_steps}
     return dict(
         lr=args.lr,
         weight_decay=0.01,
@@ -234,6 +247,7 @@ def _zenflow_kwargs(args: argparse.Namespace, *, cpu_threads: int | None) -> dic
         update_interval=args.update_interval,
         cpu_threads=cpu_threads,
         backend=args.backend,
+        **warmup,
     )
 
 
@@ -333,6 +347,7 @@ def _finetune(
     name: str,
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     *,
+    make_throwaway: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     cfg: charlm.CharLMConfig,
     state: dict[str, torch.Tensor],
     corpora: charlm.Corpora,
@@ -345,7 +360,7 @@ def _finetune(
     warm_steps = _warmup_run_steps(args)
     _progress(f"  {name:<12} untimed warm-up: {warm_steps} steps on a throwaway copy of the model")
     t0 = time.perf_counter()
-    _run_copy(make_optimizer, **common, steps=warm_steps, on_step=None, evaluate=False)
+    _run_copy(make_throwaway or make_optimizer, **common, steps=warm_steps, on_step=None, evaluate=False)
     warm_s = time.perf_counter() - t0
     if warm_s >= 2.0:
         _progress(f"  {name:<12} warm-up took {warm_s:.1f} s (one-time: compiling kernels; not in the table's times)")
@@ -411,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _finetune(
                 "ZenFlowAdamW",
                 lambda m: ZenFlowAdamW(m.parameters(), **_zenflow_kwargs(args, cpu_threads=worker_threads)),
+                # The throwaway copy selects from step 1, so that its 2U + 1 steps reach every kernel.
+                make_throwaway=lambda m: ZenFlowAdamW(
+                    m.parameters(), **{**_zenflow_kwargs(args, cpu_threads=worker_threads), "warmup_steps": 0}),
                 **common,
             ),
         ]
