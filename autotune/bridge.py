@@ -133,6 +133,7 @@ def plan_for_optimizer(
     host_lr_scale: float | None = None,
     overlap_steps: int | None = None,
     quality_regime: str = "worst",
+    host_snapshot: bool = True,
 ) -> Plan:
     """Choose what the user left to ``"auto"`` (None here), from this machine's profile and the measured step time.
 
@@ -149,6 +150,7 @@ def plan_for_optimizer(
     sums ("device" or "host"), which it decides before it plans: the prediction and the memory budget follow.
     ``overlap_steps``: the user's (None: U), the steps each host job has to hide in. ``quality_regime``: which of the
     table's regimes predicts the loss (:meth:`~.quality.QualityTable.for_regime`: "worst" of fine-tune and scratch).
+    ``host_snapshot``: the config's (False: the merge's copies carry the fp32 master).
 
     The profile is ``profile`` if given, else the file named by ``$ZENFLOW_TRITON_PROFILE``, else this
     machine's file in the user cache, else a quick probe (a few seconds, logged with a hint to run
@@ -180,7 +182,7 @@ def plan_for_optimizer(
         acc_held = sum(r * c for r, c in shapes) * 4 if accumulate == "device" else 0
         budget = MEMORY_BUDGET_FRACTION * free + acc_held
     workload = Workload(shapes=shapes, step_time_s=float(step_time_s), param_bytes=_dtype_bytes(param_dtype),
-                        grad_dtype=grad_dtype, device=kind, memory_budget_bytes=budget)
+                        grad_dtype=grad_dtype, device=kind, memory_budget_bytes=budget, host_snapshot=host_snapshot)
     if targets is None:
         targets = Targets(select_windows=DEFAULT_SELECT_WINDOWS)
     targets = dataclasses.replace(targets, max_loss_ratio=max_loss_ratio)

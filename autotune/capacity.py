@@ -61,8 +61,8 @@ def _has_state_dtype() -> bool:
 
 def modes(*, param_bytes: int = 2, grad_dtype: str = "float32", topk_ratio: float = 0.1) -> list[Mode]:
     """Each accumulate mode (and ``grads_in_backward``; with bf16 moments where the optimizer has them, and with
-    ``overlap_steps=1`` where the layout holds less with it), at ``topk_ratio``, for a model of ``param_bytes`` per
-    element."""
+    ``overlap_steps=1`` where the layout holds less with it, then also without the host snapshot where there is one),
+    at ``topk_ratio``, for a model of ``param_bytes`` per element."""
     out = []
     moments = ["float32"] + (["bfloat16"] if _has_state_dtype() else [])
     for state in moments:
@@ -70,17 +70,18 @@ def modes(*, param_bytes: int = 2, grad_dtype: str = "float32", topk_ratio: floa
                                    ('accumulate="host"', "host", param_bytes),
                                    ('"host" + grads_in_backward', "host", 0)):
             device = param_bytes + grads + device_bytes_per_param(topk_ratio, mode)
-            default = None
-            for steps in (None, 1):
-                knobs = SimpleNamespace(grad_dtype=grad_dtype, state_dtype=state, overlap_steps=steps,
-                                        grads_in_backward=grads == 0)
-                host = float(host_bytes_per_element(knobs, mode, param_bytes))
-                if host == default:
-                    continue
-                default = host if default is None else default
-                suffix = (', state_dtype="bfloat16"' if state == "bfloat16" else "") + (
-                    ", overlap_steps=1" if steps else "")
-                out.append(Mode(label + suffix, device, host))
+            default, one_sum, lean = (
+                float(host_bytes_per_element(SimpleNamespace(grad_dtype=grad_dtype, state_dtype=state,
+                                                             overlap_steps=steps, grads_in_backward=grads == 0,
+                                                             host_snapshot=snapshot), mode, param_bytes))
+                for steps, snapshot in ((None, True), (1, True), (1, False)))
+            steps = ", overlap_steps=1" if one_sum < default else ""  # named only where it cuts (one window sum)
+            moments = ', state_dtype="bfloat16"' if state == "bfloat16" else ""
+            out.append(Mode(label + moments, device, default))
+            if steps:
+                out.append(Mode(label + moments + steps, device, one_sum))
+            if lean < one_sum:
+                out.append(Mode(label + moments + steps + ", host_snapshot=False", device, lean))
     return out
 
 

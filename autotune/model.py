@@ -153,6 +153,9 @@ class Workload:
     """Seconds per training step outside ``step()`` (forward, backward, data): the time host work can hide in."""
     param_bytes: int = 2
     """Bytes per element of the model dtype (the snapshot sent back)."""
+    host_snapshot: bool = True
+    """ZenFlowConfig.host_snapshot: False sends the fp32 master back instead (4 bytes per element), the merge
+    rounding it."""
     grad_dtype: str = "float32"
     """Landing dtype of the gradients on the host (ZenFlowConfig.grad_dtype)."""
     device: DeviceKind = "cuda"
@@ -299,9 +302,12 @@ def predict(
         d2h_s = _copy_seconds(d2h_curve, workload.shapes, gbytes)
         # The way back ends in the merge into the unselected columns. On CPU tensors the merge reads the host
         # buffer directly and is all there is; on CUDA the snapshot first crosses PCIe into a staging buffer.
-        h2d_s = p / rates.merge_rate
+        # Without a host snapshot the fp32 master travels and the merge reads it: 4 + pbytes bytes where the
+        # merge rate was for 2 * pbytes.
+        back = pbytes if workload.host_snapshot else 4
+        h2d_s = p / rates.merge_rate * (back + pbytes) / (2 * pbytes)
         if workload.device == "cuda":
-            h2d_s += _copy_seconds(h2d_curve, workload.shapes, pbytes)
+            h2d_s += _copy_seconds(h2d_curve, workload.shapes, back)
 
     # "host" keeps no device sum: its pass is the fused step with acc=None, where the profile has that figure.
     pass_rate = rates.pass_no_acc_rate if accumulate == "host" and rates.pass_no_acc_rate else rates.pass_rate
@@ -369,15 +375,16 @@ def slot_bytes(param_bytes: int, grad_dtype: str) -> int:
 
 def host_bytes_per_param(param_bytes: int, grad_dtype: str, accumulate: str = "device", *, sums: int = 2,
                          grads_in_backward: bool = False, shapes: tuple[tuple[int, int], ...] = (),
-                         state_dtype: str = "float32") -> float:
+                         state_dtype: str = "float32", snapshot: bool = True) -> float:
     """Pinned host bytes per offloaded element: state.allocate's slab (:func:`.placement.host_views` summed, the one
-    formula of the host layout; ``sums`` window sums with "host", a capture slot with ``grads_in_backward``) and,
+    formula of the host layout; ``sums`` window sums with "host", a capture slot with ``grads_in_backward``, the
+    model-dtype snapshot unless ``snapshot`` is False) and,
     with "host" without ``grads_in_backward``, the landing ring's bytes spread over ``shapes`` (none given: the ring
     is left out, its share of a large model). The per-column step counts (4 bytes per column) are left out."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of {ACCUMULATE_MODES})")
     views = host_views(accumulate=accumulate, param_bytes=param_bytes, grad_dtype=grad_dtype, state_dtype=state_dtype,
-                       sums=sums, capture=grads_in_backward)
+                       sums=sums, capture=grads_in_backward, snapshot=snapshot)
     ring = 0.0
     if accumulate == "host" and shapes and not grads_in_backward:
         slot = slot_bytes(param_bytes, grad_dtype)

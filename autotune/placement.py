@@ -80,7 +80,8 @@ def window_sums(overlap: bool, update_interval: Any, overlap_steps: Any) -> int:
 
 
 def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32", state_dtype: str = "float32",
-               own_master: bool = False, sums: int = 2, capture: bool = False) -> dict[str, list[int]]:
+               own_master: bool = False, sums: int = 2, capture: bool = False,
+               snapshot: bool = True) -> dict[str, list[int]]:
     """THE host layout of :func:`zenflow_triton.state.allocate`'s slab: per buffer, the bytes per offloaded element
     of each of its views. One place: the pre-flight, the autotuner and the capacity table read it; a change to the
     layout changes this function, and tests/test_host_budget.py checks it against ``stats()`` byte for byte.
@@ -90,8 +91,9 @@ def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32"
     ``master``, ``exp_avg``, ``exp_avg_sq``; with "device" one ``landing`` buffer in ``grad_dtype``; with "host"
     ``sums`` fp32 ``window_sums`` (:func:`window_sums`) and, with ``capture`` (grads_in_backward), one
     ``capture_slot`` (bf16 with grad_dtype bfloat16, else the gradient's own dtype); a ``snapshot`` in the model
-    dtype unless fp32. Plus :data:`HOST_COLUMN_BYTES` per column, and each view padded to 64 bytes. Without
-    ``capture``, "host" lands gradients in the pipeline's ring (:func:`ring_bytes`), not in the slab."""
+    dtype unless fp32 or ``snapshot`` is False (host_snapshot: the merge reads the master). Plus
+    :data:`HOST_COLUMN_BYTES` per column, and each view padded to 64 bytes. Without ``capture``, "host" lands
+    gradients in the pipeline's ring (:func:`ring_bytes`), not in the slab."""
     if accumulate not in ("device", "host"):
         raise ValueError(f"Invalid accumulate: {accumulate!r} (one of ('device', 'host'))")
     moment = 2 if state_dtype == "bfloat16" else 4
@@ -101,19 +103,21 @@ def host_views(*, accumulate: str, param_bytes: int, grad_dtype: str = "float32"
     else:
         views["window_sums"] = [4] * sums
         views["capture_slot"] = [2 if grad_dtype == "bfloat16" else param_bytes] if capture else []
-    views["snapshot"] = [] if param_bytes == 4 else [param_bytes]
+    views["snapshot"] = [param_bytes] if snapshot and param_bytes != 4 else []
     return {k: v for k, v in views.items() if v}
 
 
 def layout_of(config: Any, device_type: str | None = "cuda") -> dict[str, Any]:
     """:func:`host_views`' keywords for a :class:`~zenflow_triton.config.ZenFlowConfig` (or anything with its
     fields; absent ones take the config's defaults) on ``device_type``'s tensors: the window sums of the schedule
-    without a plan (:func:`planless_overlap_steps`; a planned "auto" counts as two) and the capture slot."""
+    without a plan (:func:`planless_overlap_steps`; a planned "auto" counts as two), the capture slot and the
+    snapshot."""
     sums = window_sums(getattr(config, "overlap", True), getattr(config, "update_interval", 4),
                        planless_overlap_steps(config, device_type))
     return {"grad_dtype": getattr(config, "grad_dtype", "float32"),
             "state_dtype": getattr(config, "state_dtype", "float32"),
-            "sums": sums, "capture": bool(getattr(config, "grads_in_backward", False))}
+            "sums": sums, "capture": bool(getattr(config, "grads_in_backward", False)),
+            "snapshot": bool(getattr(config, "host_snapshot", True))}
 
 
 def host_bytes_per_element(config: Any, accumulate: str, param_bytes: int, *, own_master: bool = False,

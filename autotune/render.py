@@ -34,7 +34,7 @@ def memory_rows(workload: Workload, plan: Plan) -> list[dict[str, Any]]:
     return [{"accumulate": m, "device_bytes_per_param": device_bytes_per_param(plan.topk_ratio, m),
              "device_bytes": workload.numel * device_bytes_per_param(plan.topk_ratio, m),
              "host_bytes_per_param": host_bytes_per_param(workload.param_bytes, workload.grad_dtype, m,
-                                                          shapes=workload.shapes),
+                                                          shapes=workload.shapes, snapshot=workload.host_snapshot),
              "chosen": m == plan.accumulate} for m in ACCUMULATE_MODES]
 
 

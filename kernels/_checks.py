@@ -111,7 +111,9 @@ def check_slot_range(slot: torch.Tensor, k: int) -> None:
 def check_merge_args(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> tuple[int, int]:
     _check_tensor("param", param, dtypes=MODEL_DTYPES, ndim=2)
     rows, cols = param.shape
-    _check_tensor("snapshot", snapshot, dtypes=(param.dtype,), shape=(rows, cols), device=param.device)
+    # The model dtype (bits copied), or the fp32 master itself (rounded to the model dtype, to nearest even).
+    _check_tensor("snapshot", snapshot, dtypes=tuple(dict.fromkeys((param.dtype, torch.float32))), shape=(rows, cols),
+                  device=param.device)
     _check_tensor("slot", slot, dtypes=(torch.int32,), shape=(cols,), device=param.device)
     return rows, cols
 

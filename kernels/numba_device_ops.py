@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
-from numba.extending import register_jitable
+from numba import njit, prange, types
+from numba.extending import overload, register_jitable
 
 from ._checks import (
     check_column_sumsq_args,
@@ -33,7 +33,7 @@ from ._checks import (
     check_merge_args,
     check_slot_range,
 )
-from ._numba_utils import adamw_elem, flat_view, load_grad, scalar_hyperparams, store_snap
+from ._numba_utils import U32, adamw_elem, bf16_round, f16_round, flat_view, load_grad, scalar_hyperparams, store_snap
 from .hyperparams import AdamHyperparams, require_hyperparams
 
 if TYPE_CHECKING:  # device_ops imports the backends lazily; no cycle at run time
@@ -234,8 +234,38 @@ def _add_partials_cols(lo, hi, score, partial, cols):
 @register_jitable
 def _merge_row(param, snapshot, mask, base, cols):
     for j in range(cols):
-        m = mask[j]
-        param[base + j] = (param[base + j] & ~m) | (snapshot[base + j] & m)
+        _merge_elem(param, snapshot, base + j, mask[j])
+
+
+def _merge_elem(param, snapshot, i, m):  # pragma: no cover - typing stub, replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_merge_elem)
+def _merge_elem_impl(param, snapshot, i, m):
+    # Same integer views: the bits as they are. An fp32 source (the master, host_snapshot=False) into a 16-bit
+    # parameter: rounded to nearest even as the host kernel rounds the snapshot it writes (store_snap), so the
+    # parameter gets the same bits either way; bf16 arrives as uint16, fp16 as int16 (flat_view's convention).
+    if snapshot.dtype == param.dtype:
+
+        def copy_bits(param, snapshot, i, m):
+            param[i] = (param[i] & ~m) | (snapshot[i] & m)
+
+        return copy_bits
+    if snapshot.dtype == types.float32 and param.dtype == types.uint16:
+
+        def round_bf16(param, snapshot, i, m):
+            param[i] = np.uint16(U32(U32(param[i]) & U32(~m)) | U32(bf16_round(snapshot[i]) & U32(m)))
+
+        return round_bf16
+    if snapshot.dtype == types.float32 and param.dtype == types.int16:
+
+        def round_f16(param, snapshot, i, m):
+            param[i] = np.int16(U32(U32(np.uint16(param[i])) & U32(np.uint16(~m))) | U32(f16_round(snapshot[i])
+                                                                                          & U32(np.uint16(m))))
+
+        return round_f16
+    return None
 
 
 @register_jitable
@@ -404,18 +434,21 @@ def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:
-    """``param[:, j] = snapshot[:, j]`` for unselected columns, bits copied exactly."""
+    """``param[:, j] = snapshot[:, j]`` for unselected columns, bits copied exactly; an fp32 ``snapshot`` of a
+    bf16/fp16 ``param`` rounded to nearest even (``_numba_utils.bf16_round`` / ``f16_round``)."""
     rows, cols = check_merge_args(param, snapshot, slot)
     _check_cpu(param)
     unsel = slot.numpy() < 0
     nunsel = int(np.count_nonzero(unsel))
     if rows == 0 or nunsel == 0:
         return
-    if nunsel == cols:
+    rounds = snapshot.dtype != param.dtype
+    if nunsel == cols and not rounds:
         param.copy_(snapshot)
         return
     # Moved as raw 16/32-bit integers: a float copy could quiet a signalling NaN.
     itype = torch.int32 if param.element_size() == 4 else torch.int16
     mask = -unsel.astype(np.int32 if param.element_size() == 4 else np.int16)  # -1: all ones
-    _launch(_MERGE, rows * cols, rows, param.view(itype).numpy().reshape(-1),
-            snapshot.view(itype).numpy().reshape(-1), mask)
+    target = flat_view(param) if rounds else param.view(itype).numpy().reshape(-1)
+    source = snapshot.numpy().reshape(-1) if rounds else snapshot.view(itype).numpy().reshape(-1)
+    _launch(_MERGE, rows * cols, rows, target, source, mask)

@@ -224,11 +224,12 @@ def fused_steps_(calls: Sequence[FusedStepArgs]) -> None:
 
 
 def merge_(param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:
-    """``param[:, j] = snapshot[:, j]`` for every unselected column j (``slot[j] < 0``)."""
+    """``param[:, j] = snapshot[:, j]`` for every unselected column j (``slot[j] < 0``); an fp32 ``snapshot`` (the
+    master) of a bf16/fp16 ``param`` is rounded to nearest even, as the host kernel rounds the snapshot it writes."""
     check_merge_args(param, snapshot, slot)
     cols = torch.nonzero(slot < 0).squeeze(1)
     if cols.numel():
-        param[:, cols] = snapshot.index_select(1, cols)
+        param[:, cols] = snapshot.index_select(1, cols).to(param.dtype)
 
 
 def host_adamw_(

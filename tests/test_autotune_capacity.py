@@ -29,6 +29,23 @@ def test_bytes_per_mode_bf16() -> None:
     assert got['"host" + grads_in_backward'] == (pytest.approx(3.2), 24.0)
     assert got['"host" + grads_in_backward, overlap_steps=1'] == (pytest.approx(3.2), 20.0)
     assert got['"host" + grads_in_backward, state_dtype="bfloat16", overlap_steps=1'] == (pytest.approx(3.2), 16.0)
+    # host_snapshot=False: the bf16 model's snapshot goes (2 B), on top of overlap_steps=1 where that cuts
+    assert got['accumulate="device", host_snapshot=False'] == (pytest.approx(9.2), 16.0)
+    assert got['"host" + grads_in_backward, overlap_steps=1, host_snapshot=False'] == (pytest.approx(3.2), 18.0)
+    assert got['"host" + grads_in_backward, state_dtype="bfloat16", overlap_steps=1, host_snapshot=False'] == (
+        pytest.approx(3.2), 14.0)
+    assert not any("host_snapshot" in m.label for m in modes(param_bytes=4))  # an fp32 model has no snapshot
+
+
+def test_the_issue_bar_per_machine() -> None:
+    """Issue 29's done-when, from the formulas: on each machine the best mode fits at least FSDP2 offload's largest
+    model with bf16 moments and at least ZeRO-Offload's with fp32 moments."""
+    for _, gpu, host in capacity.MACHINES:
+        best = {state: max(largest(m.device, m.host, gpu, host)[0] for m in modes()
+                           if ('state_dtype="bfloat16"' in m.label) == (state == "bfloat16"))
+                for state in ("float32", "bfloat16")}
+        assert best["bfloat16"] >= largest(0.0, capacity.PEERS_HOST["FSDP2 `CPUOffloadPolicy`"], gpu, host)[0]
+        assert best["float32"] >= largest(0.0, capacity.PEERS_HOST["ZeRO-Offload stage 2"], gpu, host)[0]
 
 
 def test_largest_is_the_tighter_memory() -> None:

@@ -130,6 +130,22 @@ def test_predict_matches_the_formulas_on_cuda():
     assert p.step_s == pytest.approx(0.02 + dev + p.stall_s / 4)
 
 
+def test_without_the_host_snapshot_the_fp32_master_makes_the_trip_back():
+    """host_snapshot=False: 4 bytes per element cross PCIe instead of 2, and the merge reads them (4 + 2 bytes where
+    it read 2 + 2); nothing else changes."""
+    import dataclasses
+
+    prof = make_profile(cpu_rate=1e9, pcie=20 * GB, overhead=1e-4)
+    w = make_workload(params=4096 * 4096 * 10, step=0.02)
+    lean = dataclasses.replace(w, host_snapshot=False)
+    a = predict(prof, w, topk_ratio=0.25, update_interval=4, cpu_threads=15)
+    b = predict(prof, lean, topk_ratio=0.25, update_interval=4, cpu_threads=15)
+    n = w.numel
+    assert b.h2d_s == pytest.approx(n * 4 / 20e9 + 1.5 * n / (3000e9 / 4))
+    assert b.h2d_s - a.h2d_s == pytest.approx(n * 2 / 20e9 + 0.5 * n / (3000e9 / 4))
+    assert (b.cpu_s, b.d2h_s, b.device_step_s) == (a.cpu_s, a.d2h_s, a.device_step_s)
+
+
 def test_predict_on_cpu_tensors_uses_memcpy_and_exposes_both_copies():
     prof = make_profile(gpu=False, memcpy=5 * GB, cpu_device=(1e9, 2e8, 4e8))
     w = make_workload(params=1e7, step=0.1, device="cpu")

@@ -40,16 +40,17 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.ndim == 2]
 
 
+@pytest.mark.parametrize("snapshot", [True, False])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["device", "host"])
-def test_formula_is_the_slab_byte_for_byte(mode, dtype, grad_dtype, overlap, state_dtype) -> None:
+def test_formula_is_the_slab_byte_for_byte(mode, dtype, grad_dtype, overlap, state_dtype, snapshot) -> None:
     model = _model(dtype)
     extra = {"state_dtype": state_dtype} if state_dtype != "float32" else {}
     opt = ZenFlowAdamW(model.parameters(), lr=1e-3, accumulate=mode, grad_dtype=grad_dtype, overlap=overlap,
-                       min_offload_numel=0, **extra)
+                       min_offload_numel=0, host_snapshot=snapshot, **extra)
     need = host_need(_weights(model), opt.config, mode)  # before the step: what the pre-flight computes
     _step(model, opt)
     st = opt.stats()
@@ -65,7 +66,10 @@ def test_formula_is_the_slab_byte_for_byte(mode, dtype, grad_dtype, overlap, sta
     assert sum(need.per_element.values()) == per
     if not own_master:  # the autotuner's figure is the same formula (on CPU tensors overlap_steps="auto" is 1)
         sums = 1 if mode == "host" and len(opt._pipeline.records[_weights(model)[0]].sums) == 1 else 2
-        assert host_bytes_per_param(dtype.itemsize, grad_dtype, mode, sums=sums, state_dtype=state_dtype) == per
+        assert host_bytes_per_param(dtype.itemsize, grad_dtype, mode, sums=sums, state_dtype=state_dtype,
+                                    snapshot=snapshot) == per
+    if not snapshot:  # the slab holds no snapshot; an fp32 model never had one
+        assert all(rec.snapshot is None for rec in opt._pipeline.records.values())
     opt.close()
 
 
@@ -81,6 +85,12 @@ def test_issue_figures() -> None:
                 rows.append([host_bytes_per_element(cfg, m, b) for m in ("device", "host") for b in (4, 2)])
     assert rows == [[16, 18, 20, 22], [16, 18, 16, 18], [16, 18, 24, 24], [16, 18, 20, 20],
                     [12, 14, 16, 18], [12, 14, 12, 14], [12, 14, 20, 20], [12, 14, 16, 16]]
+    # host_snapshot=False: the bf16 model's 2-byte snapshot goes, so the issue's bounds hold in every mode, the lean
+    # one included: "host" + grads_in_backward 22 (18 at overlap_steps=1), 18 (14) with bf16 moments; "device" 16, 12.
+    lean = [[host_bytes_per_element(ZenFlowConfig(state_dtype=state_dtype, grads_in_backward=gib, overlap_steps=k,
+                                                  host_snapshot=False), m, 2) for m in ("device", "host")]
+            for state_dtype in ("float32", "bfloat16") for gib in (False, True) for k in ("auto", 1)]
+    assert lean == [[16, 20], [16, 16], [16, 22], [16, 18], [12, 16], [12, 12], [12, 18], [12, 14]]
     # On CPU tensors overlap_steps="auto" is 1 (one window sum); planned on a GPU it counts as two.
     assert host_bytes_per_element(ZenFlowConfig(), "host", 2, device_type="cpu") == 18
 
@@ -213,6 +223,12 @@ def test_the_knobs_offered_are_those_that_cut() -> None:
     assert [c.split(":")[0] for c in cuts] == ['accumulate="device", grads_in_backward=False',
                                                'grad_dtype="bfloat16"', 'state_dtype="bfloat16"', "overlap_steps=1"]
     assert [c.split("(")[-1] for c in cuts] == ["16 B/param)", "22 B/param)", "20 B/param)", "20 B/param)"]
+    # A bf16 model's snapshot is a cut too (its capture slot is bf16 already, so grad_dtype is not).
+    weights = _weights(_model(torch.bfloat16))
+    cuts = host_budget._cuts(weights, cfg, host_need(weights, cfg, "host"))
+    assert [c.split(":")[0] for c in cuts] == ['accumulate="device", grads_in_backward=False',
+                                               'state_dtype="bfloat16"', "overlap_steps=1", "host_snapshot=False"]
+    assert [c.split("(")[-1] for c in cuts] == ["18 B/param)", "20 B/param)", "20 B/param)", "22 B/param)"]
 
 
 _ULIMIT_V = r"""

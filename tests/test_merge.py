@@ -1,4 +1,5 @@
-"""The Triton merge against ``reference.merge_`` (on CPU under ``TRITON_INTERPRET=1``): a copy, so bit for bit."""
+"""The Triton merge against ``reference.merge_`` (on CPU under ``TRITON_INTERPRET=1``): a copy, so bit for bit; and
+every backend's merge from the fp32 master (``host_snapshot=False``) against the host snapshot's rounding."""
 
 from __future__ import annotations
 
@@ -39,6 +40,54 @@ def test_matches_reference(rows, cols, overrides, kmode, dtype):
     sel = slot >= 0
     assert torch.equal(_bits(param[:, sel]), _bits(before[:, sel]))  # selected columns untouched
     assert torch.equal(_bits(param[:, ~sel]), _bits(snapshot[:, ~sel]))
+
+
+def _master(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
+    """fp32 values across fp16's subnormal, normal and overflowing ranges, with the edges and halfway cases."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(rows, cols, generator=gen) * torch.logspace(-10, 6, cols)
+    master[0, :8] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 65520.0, 65519.99, 6.1e-5, 2.9e-8])
+    master[1, :3] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-11)])  # bf16 / fp16 ties
+    return master
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", ["triton", "numba", "reference"])
+def test_an_fp32_master_is_rounded_as_the_host_snapshot_would_be(impl, dtype):
+    """host_snapshot=False: the merge reads the fp32 master and rounds it itself. The param gets the bits the host
+    kernel's snapshot would have held (``_numba_utils.bf16_round`` / ``f16_round``: round to nearest even), which
+    are torch's ``.to(dtype)``; selected columns untouched."""
+    from zenflow_triton.kernels import numba_device_ops
+    from zenflow_triton.kernels._numba_utils import bf16_bits_array, f16_bits_array
+
+    ops = {"triton": merge, "numba": numba_device_ops, "reference": reference}[impl]
+    param, _, slot = _case(37, 300, 40, dtype)
+    master = _master(37, 300)
+    before = param.clone()
+    ops.merge_(param, master, slot)
+    snapshot_bits = (bf16_bits_array if dtype == torch.bfloat16 else f16_bits_array)(master.numpy().reshape(-1))
+    snapshot = torch.from_numpy(snapshot_bits.view("int16")).view(dtype).reshape(master.shape)
+    assert torch.equal(snapshot.view(torch.int16), master.to(dtype).view(torch.int16))  # the host rule is torch's
+    sel = slot >= 0
+    assert torch.equal(_bits(param[:, ~sel]), _bits(snapshot[:, ~sel]))
+    assert torch.equal(_bits(param[:, sel]), _bits(before[:, sel]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_fp32_masters_nan_becomes_the_host_snapshots_nan(dtype):
+    """NaN has no torch-defined rounding (its vector and scalar paths differ): Triton and numba both give the host
+    kernel's (bf16 0x7FC0; fp16 quiet, sign and top payload kept)."""
+    from zenflow_triton.kernels import numba_device_ops
+    from zenflow_triton.kernels._numba_utils import bf16_bits_array, f16_bits_array
+
+    master = torch.tensor([[0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FFFFFFF]], dtype=torch.int64).to(torch.int32)
+    master = master.view(torch.float32)
+    slot = torch.full((4,), -1, dtype=torch.int32)
+    host = (bf16_bits_array if dtype == torch.bfloat16 else f16_bits_array)(master.numpy().reshape(-1))
+    for ops in (merge, numba_device_ops):
+        param = torch.zeros(1, 4, dtype=dtype)
+        ops.merge_(param, master, slot)
+        assert param.view(torch.int16).numpy().view("uint16").reshape(-1).tolist() == host.tolist()
 
 
 def test_copies_bits_not_values():

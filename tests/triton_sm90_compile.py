@@ -247,6 +247,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     slot = torch.full((384,), -1, dtype=torch.int32)
     slot[:40] = torch.arange(40, dtype=torch.int32)
     merge.merge_(torch.zeros(256, 384, dtype=dtype), torch.zeros(256, 384, dtype=dtype), slot)
+    if dtype != torch.float32:  # host_snapshot=False: the fp32 master rounded in the merge
+        merge.merge_(torch.zeros(256, 384, dtype=dtype), torch.zeros(256, 384), slot)
 fused(8192, 512, 52, torch.bfloat16, accumulate=True, decoupled=False)
 # The optimizer's steps count themselves (count_step): stored by the one split, and after a multi-split launch.
 fused(64, 4096, 400, torch.bfloat16, accumulate=True, count_step=True)

@@ -217,6 +217,7 @@ class Knobs:
             update_interval=self.value("update_interval"), select_interval=cfg.select_interval,
             overlap=cfg.overlap, cpu_threads=cfg.cpu_threads, host_lr_scale=self.value("host_lr_scale"),
             accumulate=accumulate, overlap_steps=cfg.overlap_steps, quality_regime=cfg.quality_regime,
+            host_snapshot=cfg.host_snapshot,
         ))
         self.plan = plan
         u = int(plan.update_interval)

@@ -76,6 +76,11 @@ class ZenFlowConfig:
     selected columns into a compact device buffer, the whole gradient to the host landing slot) and set ``p.grad``
     to None, so the model's full gradient never exists on the device; needs accumulate="host" ("auto" picks it)."""
 
+    host_snapshot: bool = True
+    """Keep a host copy of each offloaded bf16/fp16 weight in its dtype, which the host job writes for the trip back
+    (2 B/param); False: the merge reads the fp32 master and rounds it on the device (the same bits), 2 B/param less
+    on the host for twice the host-to-device bytes per window. No effect on fp32 weights (the master serves)."""
+
     def __post_init__(self) -> None:
         r = self.topk_ratio
         if r != "auto" and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0):
@@ -136,6 +141,8 @@ class ZenFlowConfig:
         # Gradients consumed during backward (issue 18).
         if not isinstance(self.grads_in_backward, bool):
             raise ValueError(f"Invalid grads_in_backward: {self.grads_in_backward!r} (a bool)")
+        if not isinstance(self.host_snapshot, bool):
+            raise ValueError(f"Invalid host_snapshot: {self.host_snapshot!r} (a bool)")
         if self.grads_in_backward and self.accumulate == "device":
             raise ValueError("Invalid accumulate='device' with grads_in_backward=True: a captured gradient must be "
                              "held until step() (zero_grad() may discard it, micro-batches must sum as .grad does), "

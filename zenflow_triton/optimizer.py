@@ -60,8 +60,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``, ``weight_decay``).
         topk_ratio: fraction of each offloaded weight's columns updated on the device every step, or "auto".
-        update_interval: steps per host window (U), or "auto".
-        select_interval: steps between reselections (a multiple of U); None means 8 windows.
+        update_interval, select_interval: steps per host window (U), or "auto"; between reselections (None: 8 windows).
         warmup_steps: steps of synchronous AdamW on every element before selection starts (default 100).
         overlap: apply each window's host result ``overlap_steps`` steps late (None: U, one window; "auto", the
             default: the tuner's, 1 on CPU tensors) instead of waiting: fewer stale gradients, less time for the host.
@@ -79,6 +78,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host_lr_scale: lr factor of the host windows after warm-up (DESIGN §3); 1.0 is Adam's step; "auto": the tuner's.
         grads_in_backward: consume the offloaded gradients during backward (hooks set ``p.grad`` to None; with
             accumulate="host"); clip with ``max_grad_norm``, not the model's gradients (see :mod:`.capture`).
+        host_snapshot: False: no host copy of bf16/fp16 weights (-2 B/param); the merge rounds the fp32 master.
 
     Call ``flush()`` before evaluating or exporting weights when ``overlap=True``; ``state_dict()`` never changes the
     parameters, so a resumed run continues bit for bit. ``close()`` (or ``with``) stops the worker, as does exit.
@@ -110,7 +110,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         accumulate: str = "auto",
         max_grad_norm: float | None = None,
         host_lr_scale: float | str = 1.0,
-        grads_in_backward: bool = False,
+        grads_in_backward: bool = False, host_snapshot: bool = True,
         overlap_steps: int | str | None = "auto",
         quality_regime: str = "worst",
     ) -> None:
@@ -123,7 +123,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cpu_threads=cpu_threads, backend=backend, grad_dtype=grad_dtype, worker_timeout=worker_timeout,
             accumulate=accumulate, max_grad_norm=max_grad_norm, host_lr_scale=host_lr_scale,
             grads_in_backward=grads_in_backward, overlap_steps=overlap_steps, quality_regime=quality_regime,
-            state_dtype=state_dtype,
+            state_dtype=state_dtype, host_snapshot=host_snapshot,
         )
         self._device: torch.device | None = None
         self._stats = Stats()

@@ -272,7 +272,8 @@ class Pipeline:
         layout = layout_of(cfg, device.type)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return allocate(params, state, grad_dtype=grad_dtype, overlap=cfg.overlap, host_sums=self.host_sums,
-                            sums=layout["sums"], capture=layout["capture"], state_dtype=cfg.state_dtype)
+                            sums=layout["sums"], capture=layout["capture"], state_dtype=cfg.state_dtype,
+                            snapshot=layout["snapshot"])
 
     @property
     def host_sums(self) -> bool:
@@ -570,7 +571,7 @@ class Pipeline:
             # The host-to-device copy runs on its own stream, so the compute stream is not blocked by it (the kernels
             # queued before the merge keep running while it crosses PCIe); the compute stream waits for it only just
             # before the merge kernel. Buffers rotate through a ring of two (MergeStaging).
-            entry = self._staging.take(p, numel, compute)
+            entry = self._staging.take(source.dtype, p.device, numel, compute)
             buffer, filled, free = entry
             view = buffer[:numel].view(rec.rows, rec.cols)
             with torch.cuda.stream(copy):
@@ -589,7 +590,7 @@ class Pipeline:
                 torch.cuda._sleep(self.test_delays["merge"])
             ops.merge_(w2, view, st["slot"])
             free.record(compute)
-            self._staging.put(p, entry)
+            self._staging.put(source.dtype, entry)
         else:
             ops.merge_(w2, source, st["slot"])
         self.stats.h2d_bytes += source.numel() * source.element_size()

@@ -101,24 +101,25 @@ class LandingRing:
 
 
 class MergeStaging:
-    """CUDA only. Per model dtype, a ring of two device buffers that the merge's host-to-device copies land in, each
-    entry ``[buffer, filled event (copy stream), free event (compute stream)]``: one parameter's copy runs while the
-    previous one's merge kernel reads the other buffer (``Pipeline._merge``)."""
+    """CUDA only. Per source dtype (the model's, or fp32 with ``host_snapshot=False``), a ring of two device buffers
+    that the merge's host-to-device copies land in, each entry ``[buffer, filled event (copy stream), free event
+    (compute stream)]``: one parameter's copy runs while the previous one's merge kernel reads the other buffer
+    (``Pipeline._merge``)."""
 
     SLOTS = 2
 
     def __init__(self) -> None:
         self.rings: dict[torch.dtype, list[list[Any]]] = {}
 
-    def take(self, p: torch.Tensor, numel: int, compute: torch.cuda.Stream) -> list[Any]:
-        """The next entry for ``p``'s dtype, its buffer at least ``numel`` elements (give it back with :meth:`put`)."""
-        ring = self.rings.setdefault(p.dtype, [])
+    def take(self, dtype: torch.dtype, device: torch.device, numel: int, compute: torch.cuda.Stream) -> list[Any]:
+        """The next entry for ``dtype``, its buffer at least ``numel`` elements (give it back with :meth:`put`)."""
+        ring = self.rings.setdefault(dtype, [])
         entry = [None, torch.cuda.Event(), torch.cuda.Event()] if len(ring) < self.SLOTS else ring.pop(0)
         if entry[0] is None or entry[0].numel() < numel:
             # Replacing a buffer is safe without record_stream: it was allocated on the compute stream, whose last
             # use of it (the merge kernel) came after the copy stream's last write (the `filled` event).
             entry[0] = None
-            entry[0] = torch.empty(numel, dtype=p.dtype, device=p.device)
+            entry[0] = torch.empty(numel, dtype=dtype, device=device)
             # New memory, from the compute stream's pool: kernels queued on that stream before now may still read or
             # write it (activations freed since). Its `free` event, which the copy into it waits on, must then mark
             # this point of the compute stream (for a new entry it was never recorded, and a wait on it did
@@ -126,8 +127,8 @@ class MergeStaging:
             entry[2].record(compute)
         return entry
 
-    def put(self, p: torch.Tensor, entry: list[Any]) -> None:
-        self.rings[p.dtype].append(entry)
+    def put(self, dtype: torch.dtype, entry: list[Any]) -> None:
+        self.rings[dtype].append(entry)
 
     def buffers(self) -> list[torch.Tensor]:
         return [entry[0] for ring in self.rings.values() for entry in ring if entry[0] is not None]

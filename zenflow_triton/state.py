@@ -57,7 +57,7 @@ class OffloadedParam:
     rows: int
     cols: int
     landing: torch.Tensor | None  # host gradient landing buffer [R, C], fp32 or bf16 (None with accumulate="host")
-    snapshot: torch.Tensor | None  # host model-dtype copy for the trip back; None: the fp32 master serves
+    snapshot: torch.Tensor | None  # host model-dtype copy for the trip back; None: the fp32 master serves (rounded)
     masks: ColumnMasks
     # The host master is the parameter's own memory (fp32 parameters on the CPU with overlap=False, see allocate).
     master_is_param: bool = False
@@ -98,6 +98,7 @@ class OffloadedParam:
 def allocate(
     params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, dict[str, Any]], *, grad_dtype: torch.dtype,
     overlap: bool, host_sums: bool = False, sums: int = 2, capture: bool = False, state_dtype: str = "float32",
+    snapshot: bool = True,
 ) -> tuple[HostSlab, dict[torch.Tensor, OffloadedParam]]:
     """One host slab for these parameters' master, moments, step counts, landing and snapshot buffers; sets
     ``state[p]`` to its host entries (uninitialized) and returns the slab and each parameter's record.
@@ -112,7 +113,8 @@ def allocate(
     widens to fp32 exactly, so landing it as it is halves the copy and changes nothing).
 
     ``state_dtype`` "bfloat16": ``host_exp_avg``/``host_exp_avg_sq`` in bf16 (the host kernel rounds them
-    stochastically); the master stays fp32.
+    stochastically); the master stays fp32. ``snapshot`` False (host_snapshot): no model-dtype snapshot; the merge
+    reads the fp32 master and rounds it.
     """
     moment_dtype = torch.bfloat16 if state_dtype == "bfloat16" else torch.float32
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
@@ -126,7 +128,7 @@ def allocate(
             requests += [((rows, cols), torch.float32)] * sums + [((rows, cols), slot_dtype)] * int(capture)
         else:
             requests.append(((rows, cols), grad_dtype))
-        if p.dtype != torch.float32:
+        if snapshot and p.dtype != torch.float32:
             requests.append(((rows, cols), p.dtype))
     pin = any(p.device.type == "cuda" for p in params)
     slab = HostSlab(requests, pin=pin)
@@ -144,8 +146,8 @@ def allocate(
             slots = (next(views),) if capture else None
         else:
             landing = next(views)
-        snapshot = next(views) if p.dtype != torch.float32 else None
-        records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snapshot,
+        snap = next(views) if snapshot and p.dtype != torch.float32 else None
+        records[p] = OffloadedParam(rows=rows, cols=cols, landing=landing, snapshot=snap,
                                     masks=ColumnMasks.empty(cols, p.device), master_is_param=own_master,
                                     host={key: st[key] for key in HOST_KEYS}, group=shard_group(p), sums=held,
                                     slots=slots, shape=tuple(local(p).shape), dtype=p.dtype,
