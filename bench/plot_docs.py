@@ -42,7 +42,8 @@ CURVES = {"AdamW": "AdamW", "ZenFlow overlap s=1 warm=100 K=1": "ZenFlowAdamW de
 DISPLAY = {"torch AdamW": "`torch.optim.AdamW`", "ZenFlow device": 'ZenFlowAdamW `accumulate="device"`',
            "ZenFlow host": 'ZenFlowAdamW `accumulate="host"`',
            "ZenFlow host + grads_in_backward": 'ZenFlowAdamW `"host"` + `grads_in_backward`',
-           "bf16 moments": '`state_dtype="bfloat16"`', "overlap_steps=1": "`overlap_steps=1`"}
+           "bf16 moments": '`state_dtype="bfloat16"`', "overlap_steps=1": "`overlap_steps=1`",
+           "host_snapshot=False": "`host_snapshot=False`"}
 
 
 def display(name: str) -> str:
@@ -78,13 +79,12 @@ def _pyplot():
 
 def measure_memory(*, steps: int, device: str) -> list[dict]:
     """One row per (model dtype, optimizer): device held/peak B/param and host B/param. For a bf16 model also each
-    ZenFlowAdamW mode with bf16 moments, and accumulate="host" at overlap_steps=1 (one window sum), with either."""
+    ZenFlowAdamW mode with bf16 moments, accumulate="host" at overlap_steps=1 (one window sum), and each mode at its
+    leanest without the host snapshot (report_memory.bf16_optimizers)."""
     import torch
-    from report_memory import measure, mlp, optimizers
+    from report_memory import bf16_optimizers, measure, mlp, optimizers
 
-    lean = optimizers(overlap_steps=1, state_dtypes=True)
-    bf16 = {**optimizers(state_dtypes=True), **{f"{name}, overlap_steps=1": make for name, make in lean.items()
-                                                 if name.startswith("ZenFlow host")}}
+    bf16 = bf16_optimizers()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for name, make in (bf16 if dtype == torch.bfloat16 else optimizers()).items():
@@ -142,11 +142,13 @@ def render_memory(doc: dict) -> str:
 def plot_memory(rows: list[dict], png: Path) -> None:
     plt = _pyplot()
     bf16 = [r for r in rows if r["model"] == "bfloat16"]
-    names = [display(r["optimizer"]).replace("`", "").replace("ZenFlowAdamW ", "ZenFlow ") for r in bf16]
+    # The knobs' names shortened for the axis; the tables spell them out.
+    names = [display(r["optimizer"]).replace("`", "").replace("ZenFlowAdamW ", "ZenFlow ")
+             .replace('state_dtype="bfloat16"', "bf16 moments") for r in bf16]
     names += [name.replace("`", "") for name in PEERS_HOST]
     device = [r["device_held"] for r in bf16] + [0.0] * len(PEERS_HOST)
     host = [r["host"] for r in bf16] + list(PEERS_HOST.values())
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.26 * len(names)), dpi=90)
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.26 * len(names)), dpi=90)
     ys = range(len(names))
     ax.barh([y - 0.2 for y in ys], device, height=0.4, label="device, held (measured)", color="#1f77b4")
     ax.barh([y + 0.2 for y in ys], host, height=0.4, color="#ff7f0e",
@@ -159,8 +161,8 @@ def plot_memory(rows: list[dict], png: Path) -> None:
     ax.set_yticks(list(ys), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("bytes per parameter, bf16 model (r = 0.1)")
-    ax.legend(fontsize=7, loc="upper right")
-    ax.set_title("Memory per mode: ZenFlowAdamW beside torch AdamW and the offloading peers", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Memory per mode: ZenFlowAdamW beside torch AdamW and the offloading peers", fontsize=9)
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)

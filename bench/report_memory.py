@@ -23,8 +23,9 @@ With ``--host``: instead, the host bytes per offloaded parameter that ``stats()[
 
 Rows: ``torch AdamW`` (moments in the model dtype, on the device), ZenFlowAdamW ``accumulate="device"`` and
 ``"host"``, and ``"host"`` with ``grads_in_backward`` (the offloaded gradients consumed in backward), each also with
-bf16 moments where the optimizer has ``state_dtype``, for fp32 and bf16 models. This file imports nothing else from
-bench/, so tests load it by path.
+bf16 moments where the optimizer has ``state_dtype``, for fp32 and bf16 models; for a bf16 model also ``"host"`` at
+``overlap_steps=1`` and each mode at its leanest with ``host_snapshot=False`` (:func:`bf16_optimizers`). This file
+imports nothing else from bench/, so tests load it by path.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def _zen(**kw: object) -> Callable[[nn.Module], object]:
 
 
 def optimizers(topk_ratio: float = 0.1, update_interval: int = 4, overlap_steps: int | None = None, *,
-               state_dtypes: bool = False) -> dict[str, Callable[[nn.Module], object]]:
+               state_dtypes: bool = False, host_snapshot: bool = True) -> dict[str, Callable[[nn.Module], object]]:
     """The optimizers compared, each built over a model's parameters, in the steady state (``warmup_steps=0``);
     ``overlap_steps`` None merges at the next window end (two window sums with accumulate="host", 1: one);
     ``state_dtypes``: also each ZenFlowAdamW mode with bf16 moments, where the optimizer has the ``state_dtype``
-    knob."""
+    knob; ``host_snapshot`` the ZenFlowAdamW knob."""
     zen = dict(topk_ratio=topk_ratio, update_interval=update_interval, warmup_steps=0, overlap_steps=overlap_steps)
+    if not host_snapshot:
+        zen["host_snapshot"] = False
     out = {"torch AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)}
     has_state_dtype = "state_dtype" in {f.name for f in dataclasses.fields(ZenFlowConfig)}
     for suffix, extra in [("", {})] + ([(", bf16 moments", {"state_dtype": "bfloat16"})]
@@ -87,6 +90,20 @@ def optimizers(topk_ratio: float = 0.1, update_interval: int = 4, overlap_steps:
         out[f"ZenFlow device{suffix}"] = _zen(accumulate="device", **kw)
         out[f"ZenFlow host{suffix}"] = _zen(accumulate="host", **kw)
         out[f"ZenFlow host + grads_in_backward{suffix}"] = _zen(accumulate="host", grads_in_backward=True, **kw)
+    return out
+
+
+def bf16_optimizers() -> dict[str, Callable[[nn.Module], object]]:
+    """The rows of a bf16 model: :func:`optimizers` with bf16 moments, accumulate="host" also at overlap_steps=1
+    (one window sum), and each mode at its leanest without the host snapshot (2 bytes per parameter)."""
+    out = optimizers(state_dtypes=True)
+    one = optimizers(overlap_steps=1, state_dtypes=True)
+    out.update({f"{name}, overlap_steps=1": make for name, make in one.items() if name.startswith("ZenFlow host")})
+    for steps in (None, 1):
+        lean = optimizers(overlap_steps=steps, state_dtypes=True, host_snapshot=False)
+        out.update({name + (", overlap_steps=1" if steps else "") + ", host_snapshot=False": make
+                    for name, make in lean.items()
+                    if name.startswith("ZenFlow host" if steps else "ZenFlow device")})
     return out
 
 
@@ -236,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         return "–" if x is None else f"{x:.2f}"
 
     for dtype in (torch.float32, torch.bfloat16):
-        for name, make in optimizers(state_dtypes=True).items():
+        for name, make in (bf16_optimizers() if dtype == torch.bfloat16 else optimizers(state_dtypes=True)).items():
             fig = measure(make, dtype=dtype, device=args.device, steps=args.steps, layers=args.layers,
                           width=args.width)
             lines.append(f"| {name} | {str(dtype).removeprefix('torch.')} | {fig.held:.2f} | {fig.peak:.2f} | "

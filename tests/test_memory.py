@@ -150,3 +150,17 @@ def test_host_bytes_measured_from_the_process_are_what_stats_says(name: str, dty
     ring = ring_bytes(2 * size, size) / offloaded if name == "ZenFlow host" else 0.0
     want = want or (24 if "grads_in_backward" in name else 20 if dtype == torch.float32 else 22)
     assert want + ring <= fig.host_stats < want + ring + 0.01  # + the per-column step counts (4 B per column)
+
+
+@pytest.mark.parametrize(("name", "bound"), [
+    ("ZenFlow device, host_snapshot=False", 16), ("ZenFlow device, bf16 moments, host_snapshot=False", 12),
+    ("ZenFlow host + grads_in_backward, overlap_steps=1, host_snapshot=False", 18),
+    ("ZenFlow host + grads_in_backward, bf16 moments, overlap_steps=1, host_snapshot=False", 14),
+])
+def test_issue_29_host_bounds_of_a_bf16_model_measured_from_the_process(name: str, bound: int) -> None:
+    """Issue 29's bounds for a bf16 model, read from the slabs' resident pages: "device" <= 18 (16 without the
+    snapshot), the lean mode ("host" + grads_in_backward, one window sum) <= 18, and 4 less each with bf16 moments."""
+    fig = report_memory.measure(report_memory.bf16_optimizers()[name], dtype=torch.bfloat16, steps=STEPS, layers=2,
+                                width=512)
+    assert fig.host_resident <= bound + 4096 / (2 * 512 * 512)  # + the last page of a slab
+    assert bound <= fig.host_stats < bound + 0.01  # + the per-column step counts
