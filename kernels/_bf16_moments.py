@@ -13,16 +13,20 @@ from numba.extending import overload, register_jitable
 
 from ._numba_utils import U16, U32, blend, f32_bits
 
-__all__ = ["moment_noise", "store_moment", "store_moment_masked"]
+__all__ = ["moment_noise", "noise_key", "store_moment", "store_moment_masked"]
 
 _SR_SEED = U32(0x2545F491)  # reference.SR_SEED
 
 
 @register_jitable
-def _hash(i, step):
-    """reference.moment_noise: lowbias32 of (index ^ rotate(step, 16) ^ seed), all mod 2^32."""
+def _step_key(step):
+    """The step's share of reference.moment_noise's hash input: rotate(step, 16) ^ seed (uint32)."""
     s = U32(step)
-    x = U32(U32(U32(i) ^ U32(U32(s << U16) | U32(s >> U16))) ^ _SR_SEED)
+    return U32(U32(U32(s << U16) | U32(s >> U16)) ^ _SR_SEED)
+
+
+@register_jitable
+def _lowbias32(x):
     x = U32(x ^ U32(x >> U16))
     x = U32(x * U32(0x7FEB352D))
     x = U32(x ^ U32(x >> U32(15)))
@@ -33,19 +37,35 @@ def _hash(i, step):
 @register_jitable
 def _sr_bf16(x, noise):
     """reference.bf16_stochastic on one element: bf16 bits (uint32) of ``x`` with 16 noise bits added below the cut."""
-    r = U32(U32(f32_bits(x) + noise) >> U16)
-    return U32(0x7FC0) if x != x else r
+    # NaN replaces the input, not the result (0x7FC00000 + noise < 0x7FC10000 gives 0x7FC0 all the same): LLVM
+    # narrowed a select on the result to 16 bits after the pack (vcmpunordps, vextractf128, vpackssdw, vpblendvb per
+    # stream); on the input it stays one 32-bit vblendvps.
+    u = U32(0x7FC00000) if x != x else f32_bits(x)
+    return U32(U32(u + noise) >> U16)
 
 
-def moment_noise(m, i, step):  # pragma: no cover - typing stub
+def noise_key(m, step):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(noise_key)
+def _noise_key_impl(m, step):
+    if m.dtype == types.uint16:
+        return lambda m, step: _step_key(step)
+    return lambda m, step: U32(0)
+
+
+def moment_noise(m, i32, key):  # pragma: no cover - typing stub
     raise NotImplementedError
 
 
 @overload(moment_noise)
-def _moment_noise_impl(m, i, step):
+def _moment_noise_impl(m, i32, key):
+    """reference.moment_noise of the element whose flat index is ``i32`` (mod 2^32, uint32) at the step whose
+    ``noise_key`` is ``key``; 0 (unused) for fp32 moments."""
     if m.dtype == types.uint16:
-        return lambda m, i, step: _hash(i, step)
-    return lambda m, i, step: U32(0)
+        return lambda m, i32, key: _lowbias32(U32(i32 ^ key))
+    return lambda m, i32, key: U32(0)
 
 
 def store_moment(arr, i, x, noise):  # pragma: no cover - typing stub

@@ -45,7 +45,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._bf16_moments import moment_noise, store_moment, store_moment_masked
+from ._bf16_moments import moment_noise, noise_key, store_moment, store_moment_masked
 from ._checks import check_host_adamw_args
 from ._numba_utils import (
     U16,
@@ -86,6 +86,10 @@ _BLOCK = 64  # 4 lines of fp32: one prefetch per line and stream
 _BLOCK_U = np.uint64(_BLOCK)  # index arithmetic stays uint64 (uint64 + int64 is float64 in numba)
 _LINE_F32 = 16
 _PREFETCH_AHEAD = np.uint64(256)
+# bf16 moments: the vectorized loop runs over _BF16_BLOCKS prefetch blocks at a time, prefetched together at its
+# start, since each loop entry pays LLVM's run-time alias checks between the six streams (~90 instructions).
+_BF16_BLOCKS = 4
+_BF16_BLOCK_U = np.uint64(_BF16_BLOCKS * _BLOCK)
 # Below this many elements a job runs on one thread. Per call, bf16 grad and snapshot, 1 vs 2 threads (us):
 # 4096 el. 87.7 vs 95.8, 16384 el. 111.5 vs 101.7, 65536 el. 138.8 vs 124.9 (~70 us of it is Python).
 _MIN_PARALLEL_ELEMS = 1 << 14
@@ -356,6 +360,55 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
             _prefetch(grad, k + np.uint64(line * _LINE_F32))
 
 
+def _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, i):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_prefetch_block)
+def _prefetch_block_impl(master, exp_avg, exp_avg_sq, grad, snapshot, i):
+    """Prefetch the block of columns a run function's loop visits next (``_block_cols``), ahead of ``i``."""
+    if exp_avg.dtype == types.uint16:
+
+        def prefetch_bf16(master, exp_avg, exp_avg_sq, grad, snapshot, i):
+            for g in range(_BF16_BLOCKS):
+                _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i + np.uint64(g * _BLOCK))
+
+        return prefetch_bf16
+    return lambda master, exp_avg, exp_avg_sq, grad, snapshot, i: _prefetch_ahead(master, exp_avg, exp_avg_sq, grad,
+                                                                                  snapshot, i)
+
+
+def _block_cols(exp_avg):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_block_cols)
+def _block_cols_impl(exp_avg):
+    """Columns per loop of a run function: ``_BLOCK``, or ``_BF16_BLOCKS`` of them for bf16 moments."""
+    if exp_avg.dtype == types.uint16:
+        return lambda exp_avg: _BF16_BLOCK_U
+    return lambda exp_avg: _BLOCK_U
+
+
+def _run_step(exp_avg, slot, col_step, a):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_run_step)
+def _run_step_impl(exp_avg, slot, col_step, a):
+    """The step count of a uniform run that starts at column ``a``: its first updated column's (a run's first block
+    has one). Only bf16 moments read it (their noise key); fp32 moments get 0 and no scan."""
+    if exp_avg.dtype == types.uint16:
+
+        def first_updated(exp_avg, slot, col_step, a):
+            while slot[a] >= 0:
+                a += np.uint64(1)
+            return col_step[a]
+
+        return first_updated
+    return lambda exp_avg, slot, col_step, a: U32(0)
+
+
 # The run functions are separate functions with unsigned indices because LLVM then vectorizes them: numba wraps
 # negative signed indices (the address becomes a select LLVM cannot bound: "cannot identify array bounds"), and
 # loop values that live on after a loop inside a bigger function block the vectorizer ("value ... used outside the
@@ -363,20 +416,25 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
 
 
 @register_jitable(error_model="numpy")
-def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, step_size, inv_bc2, hp):
+def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, step_size, inv_bc2, hp):
     """Columns ``[a, b)`` of the row at flat offset ``base``, all updated, in prefetched blocks.
 
-    ``step_size``/``inv_bc2`` are per-column arrays, or two scalars when the run is uniform (``_col``).
+    ``steps`` (the step counts), ``step_size`` and ``inv_bc2`` are per-column arrays, or scalars when the run is
+    uniform (``_col``).
     """
     j0 = a
     while j0 < b:
-        _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
-        j1 = min(j0 + _BLOCK_U, b)
+        _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
+        j1 = min(j0 + _block_cols(exp_avg), b)
+        # The hash's index (mod 2^32) is a uint32 counter of its own: taken from the uint64 ``i``, LLVM built its
+        # vector lane by lane (8 lea, 8 vmovq and 6 shuffles per 8 elements); a uint32 induction is one vpaddd.
+        q = U32(base + j0)
         for j in range(j0, j1):
             i = base + j
             p, m, v = _adamw_step(master[i], load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)))
+            q = U32(q + U32(1))
             master[i] = p
             store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
             store_moment(exp_avg_sq, i, v, U32(noise >> U16))
@@ -385,12 +443,13 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step
 
 
 @register_jitable(error_model="numpy")
-def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp):
+def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, steps, step_size, inv_bc2, hp):
     """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
     j0 = a
     while j0 < b:
-        _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
-        j1 = min(j0 + _BLOCK_U, b)
+        _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
+        j1 = min(j0 + _block_cols(exp_avg), b)
+        q = U32(base + j0)  # the hash's index (see _run_dense)
         for j in range(j0, j1):
             i = base + j
             p0 = master[i]
@@ -398,7 +457,8 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, co
             v0 = exp_avg_sq[i]
             p, m, v = _adamw_step(p0, load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)))
+            q = U32(q + U32(1))
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
             mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
@@ -424,14 +484,17 @@ def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, 
         b = np.uint64(stops[k])
         # Three loop variants; _col dispatches on the argument type. A run whose columns have several step counts
         # takes the general (mixed, per-column) loop even without selected columns: rarer, and one variant fewer
-        # to compile (each costs ~1 s per dtype combination).
+        # to compile (each costs ~1 s per dtype combination). A uniform run passes its step count as a scalar, so
+        # that the bf16 moments' noise key is loop-invariant; its selected columns may count other steps, but their
+        # results are discarded.
         if not uniform[k]:
             _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp)
         elif mixed[k]:
-            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, run_ss[k], run_ib[k],
-                       hp)
+            step = _run_step(exp_avg, slot, col_step, a)
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step, run_ss[k], run_ib[k], hp)
         else:
-            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, run_ss[k], run_ib[k], hp)
+            step = _run_step(exp_avg, slot, col_step, a)
+            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step, run_ss[k], run_ib[k], hp)
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------------
