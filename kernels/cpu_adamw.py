@@ -45,20 +45,25 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._bf16_moments import moment_noise, noise_key, store_moment, store_moment_masked
+from ._bf16_moments import (
+    moment_noise,
+    noise_key,
+    run_step,
+    store_moment,
+    store_moment_masked,
+    store_snapshot,
+    store_snapshot_masked,
+)
 from ._checks import check_host_adamw_args
 from ._numba_utils import (
     U16,
     U32,
     adamw_moments,
-    bf16_round,
     blend,
-    f16_round,
     flat_view,
     fma,
     load_grad,
     scalar_hyperparams,
-    store_snap,
 )
 from .hyperparams import AdamHyperparams, require_hyperparams
 
@@ -131,42 +136,6 @@ def _prefetch_opt_impl(arr, i):
     if isinstance(arr, types.NoneType):
         return lambda arr, i: None
     return lambda arr, i: _prefetch(arr, i)
-
-
-# --- masked snapshot store: the mixed runs' twin of _numba_utils.store_snap -----------------------------------------
-
-
-def _store_snap_masked(snap, i, p, mask):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_store_snap_masked)
-def _store_snap_masked_impl(snap, i, p, mask):
-    # ``mask`` is 0xFFFFFFFF (store) or 0 (keep the old value). The 16-bit formats blend with integer and/or: a
-    # select between 16-bit loads made LLVM's cost model refuse to vectorize the loop (bf16 mixed runs: 5.0 ns per
-    # element, 1.5 with and/or; one thread, data in L3).
-    if isinstance(snap, types.NoneType):
-        return lambda snap, i, p, mask: None
-    if snap.dtype == types.float32:
-
-        def store_f32(snap, i, p, mask):
-            snap[i] = blend(p, snap[i], mask)
-
-        return store_f32
-    if snap.dtype == types.uint16:
-
-        def store_bf16(snap, i, p, mask):
-            snap[i] = np.uint16(U32(bf16_round(p) & mask) | U32(U32(snap[i]) & U32(~mask)))
-
-        return store_bf16
-    if snap.dtype == types.int16:
-
-        def store_f16(snap, i, p, mask):
-            old = U32(np.uint16(snap[i]))
-            snap[i] = np.int16(np.uint16(U32(f16_round(p) & mask) | U32(old & U32(~mask))))
-
-        return store_f16
-    return None
 
 
 @register_jitable
@@ -390,25 +359,6 @@ def _block_cols_impl(exp_avg):
     return lambda exp_avg: _BLOCK_U
 
 
-def _run_step(exp_avg, slot, col_step, a):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_run_step)
-def _run_step_impl(exp_avg, slot, col_step, a):
-    """The step count of a uniform run that starts at column ``a``: its first updated column's (a run's first block
-    has one). Only bf16 moments read it (their noise key); fp32 moments get 0 and no scan."""
-    if exp_avg.dtype == types.uint16:
-
-        def first_updated(exp_avg, slot, col_step, a):
-            while slot[a] >= 0:
-                a += np.uint64(1)
-            return col_step[a]
-
-        return first_updated
-    return lambda exp_avg, slot, col_step, a: U32(0)
-
-
 # The run functions are separate functions with unsigned indices because LLVM then vectorizes them: numba wraps
 # negative signed indices (the address becomes a select LLVM cannot bound: "cannot identify array bounds"), and
 # loop values that live on after a loop inside a bigger function block the vectorizer ("value ... used outside the
@@ -438,7 +388,7 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, s
             master[i] = p
             store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
             store_moment(exp_avg_sq, i, v, U32(noise >> U16))
-            store_snap(snapshot, i, p)
+            store_snapshot(exp_avg, snapshot, i, p)
         j0 = j1
 
 
@@ -465,7 +415,7 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, st
             master[i] = blend(p, p0, mask)
             store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
             store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
-            _store_snap_masked(snapshot, i, p, mask)
+            store_snapshot_masked(exp_avg, snapshot, i, p, mask)
         j0 = j1
 
 
@@ -490,10 +440,10 @@ def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, 
         if not uniform[k]:
             _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp)
         elif mixed[k]:
-            step = _run_step(exp_avg, slot, col_step, a)
+            step = run_step(exp_avg, slot, col_step, a)
             _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step, run_ss[k], run_ib[k], hp)
         else:
-            step = _run_step(exp_avg, slot, col_step, a)
+            step = run_step(exp_avg, slot, col_step, a)
             _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step, run_ss[k], run_ib[k], hp)
 
 
