@@ -49,6 +49,7 @@ from ._bf16_moments import (
     moment_noise,
     noise_key,
     run_step,
+    sr_consts,
     store_moment,
     store_moment_masked,
     store_snapshot,
@@ -372,6 +373,7 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, s
     ``steps`` (the step counts), ``step_size`` and ``inv_bc2`` are per-column arrays, or scalars when the run is
     uniform (``_col``).
     """
+    c = sr_consts(exp_avg, hp[11])  # the bf16 moments' rounding constants, as run-time values
     j0 = a
     while j0 < b:
         _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
@@ -383,18 +385,19 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, s
             i = base + j
             p, m, v = _adamw_step(master[i], load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)))
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)), c)
             q = U32(q + U32(1))
             master[i] = p
-            store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
-            store_moment(exp_avg_sq, i, v, U32(noise >> U16))
-            store_snapshot(exp_avg, snapshot, i, p)
+            store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)), c)
+            store_moment(exp_avg_sq, i, v, U32(noise >> U16), c)
+            store_snapshot(exp_avg, snapshot, i, p, c)
         j0 = j1
 
 
 @register_jitable(error_model="numpy")
 def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, steps, step_size, inv_bc2, hp):
     """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
+    c = sr_consts(exp_avg, hp[11])
     j0 = a
     while j0 < b:
         _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
@@ -407,15 +410,15 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, st
             v0 = exp_avg_sq[i]
             p, m, v = _adamw_step(p0, load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)))
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)), c)
             q = U32(q + U32(1))
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
             mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
             master[i] = blend(p, p0, mask)
-            store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
-            store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
-            store_snapshot_masked(exp_avg, snapshot, i, p, mask)
+            store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask, c)
+            store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask, c)
+            store_snapshot_masked(exp_avg, snapshot, i, p, mask, c)
         j0 = j1
 
 
