@@ -2,7 +2,11 @@
 twin of :func:`.reference.moment_noise` / :func:`.reference.bf16_stochastic`.
 
 Moments arrive as float32 arrays, or bf16 as uint16 bits (``flat_view``). Every helper has an fp32 overload that
-reduces to a plain load or store, so the fp32 kernels compile to what they were (no hash, no step read).
+reduces to a plain load or store, so the fp32 kernels compile to what they were (no hash, no step read). Why the
+helpers take their constants as run-time values and pick NaN on the input:
+bench/results/host-bf16-moments-2026-12-07.md.
+
+numba's ``cache=True`` watches only ``cpu_adamw.py``: after editing this module, touch that file (``_numba_utils``).
 """
 
 from __future__ import annotations
