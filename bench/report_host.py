@@ -9,19 +9,24 @@ or a change of clock speed hits every provider alike; the table shows medians. R
 ``vs torch`` compare seconds per step of the same matrix (> 1 = faster than the ceiling/torch), where "torch" is
 ``torch fused`` for the fp32 group and ``torch fused + bf16 copy`` for the bf16 group (bf16 grad in, bf16
 snapshot out); the "bf16 moments" group (state_dtype="bfloat16", 20 B/param) is compared with ``ceiling bf16
-moments``, a loop with its traffic. ``Mparam/s`` counts every parameter of the matrix, selected or not.
+moments``, a loop with its traffic, and the "bf16 moments, no snapshot" group (the host job with no snapshot output,
+18 B/param: ``host_adamw bf16 moments no snapshot <sel>``) with ``ceiling bf16 moments no snapshot``. ``Mparam/s``
+counts every parameter of the matrix, selected or not.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import numba
+import numpy as np
 import torch
 from common import bench_numel, bench_rounds, bench_shape, bench_threads, make_host_buffers, make_slot
-from providers import BYTES_PER_PARAM, HOST_HP, HostAdamWProvider, ceiling_, host_adamw_providers
+from numba import njit, prange
+from providers import BYTES_PER_PARAM, HOST_HP, HostAdamWProvider, ceiling_, host_adamw_providers, host_adamw_step
 
 from zenflow_triton.kernels import cpu_adamw
 
@@ -40,6 +45,56 @@ def _cpu_busy_fraction(interval: float = 0.2) -> float:
     except OSError:
         return float("nan")
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+# The host job with bf16 moments and no snapshot output (the merge reads the fp32 master): master 4 + 4, m and v
+# 2 + 2 each, bf16 grad 2 = 18 B/param. Its providers live here, not in providers.py, with a ceiling of that traffic.
+NO_SNAPSHOT = "bf16 moments, no snapshot"
+_NO_SNAPSHOT_BYTES = 18
+
+
+@njit(nogil=True)
+def _ceiling16_nosnap_run(p, m, v, g, a, b):  # pragma: no cover - numba
+    # providers._ceiling16_run without the snapshot stream; its own function with unsigned indices (vectorizes).
+    for i in range(a, b):
+        gi = g[i]
+        p[i] = p[i] + np.float32(1.0)
+        m[i] = m[i] + gi
+        v[i] = v[i] + gi
+
+
+@njit(parallel=True, nogil=True)
+def _ceiling16_nosnap_kernel(p, m, v, g, chunk):  # pragma: no cover - numba
+    n = p.shape[0]
+    for c in prange((n + chunk - 1) // chunk):
+        a = c * chunk
+        _ceiling16_nosnap_run(p, m, v, g, np.uint64(a), np.uint64(min(a + chunk, n)))
+
+
+def no_snapshot_providers(numel: int, threads: int, names: tuple[str, ...] | None,
+                          selected: tuple[float, ...] = (0.0, 0.1)) -> dict[str, HostAdamWProvider]:
+    """``ceiling bf16 moments no snapshot`` and ``host_adamw bf16 moments no snapshot <sel>`` (bf16 grad in, no
+    snapshot out), the ones ``names`` asks for (all of them when it is None)."""
+    rows, cols = bench_shape(numel)
+    n = rows * cols
+    out: dict[str, HostAdamWProvider] = {}
+
+    def buffers(seed: int):
+        b = make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, seed=seed)
+        return dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+
+    label = "ceiling bf16 moments no snapshot"
+    if names is None or label in names:
+        c = buffers(0)
+        bits = [t.view(-1).view(torch.int16).numpy() for t in (c.exp_avg, c.exp_avg_sq, c.grad)]
+        out[label] = HostAdamWProvider(label, lambda: _ceiling16_nosnap_kernel(c.master.view(-1).numpy(), *bits, 16384),
+                                       n, _NO_SNAPSHOT_BYTES, 1.0, NO_SNAPSHOT)
+    for sel in selected:
+        label = f"host_adamw bf16 moments no snapshot {sel:.0%}"
+        if names is None or label in names:
+            out[label] = HostAdamWProvider(label, host_adamw_step(buffers(6), make_slot(cols, sel), threads), n,
+                                           _NO_SNAPSHOT_BYTES, 1.0 - round(sel * cols) / cols, NO_SNAPSHOT)
+    return out
 
 
 def measure(providers: dict[str, HostAdamWProvider], rounds: int, pause: float = 0.05) -> dict[str, list[float]]:
@@ -64,7 +119,8 @@ def table(providers: dict[str, HostAdamWProvider], times: dict[str, list[float]]
     pick = statistics.median if stat == "median" else min
     med = {name: pick(ts) for name, ts in times.items()}
     base = {"fp32": med.get("torch fused"), "bf16": med.get("torch fused + bf16 copy")}
-    ceilings = {"bf16 moments": med.get("ceiling bf16 moments")}  # each group against a ceiling of its own traffic
+    ceilings = {"bf16 moments": med.get("ceiling bf16 moments"),  # each group against a ceiling of its own traffic
+                NO_SNAPSHOT: med.get("ceiling bf16 moments no snapshot")}
     lines = [
         f"| provider | updated | ms ({stat}) | ms (min / max) | Mparam/s | GB/s | vs ceiling | vs torch |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -193,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     names = None if args.names is None else tuple(n.strip() for n in args.names.split(","))
     providers = host_adamw_providers(numel, threads=threads, names=names, patterns=tuple(args.patterns.split(",")))
+    providers.update(no_snapshot_providers(numel, threads, names))
     busy_before = _cpu_busy_fraction()
     times = measure(providers, rounds)
     busy_after = _cpu_busy_fraction()

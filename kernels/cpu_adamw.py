@@ -45,20 +45,26 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._bf16_moments import moment_noise, store_moment, store_moment_masked
+from ._bf16_moments import (
+    moment_noise,
+    noise_key,
+    run_step,
+    sr_consts,
+    store_moment,
+    store_moment_masked,
+    store_snapshot,
+    store_snapshot_masked,
+)
 from ._checks import check_host_adamw_args
 from ._numba_utils import (
     U16,
     U32,
     adamw_moments,
-    bf16_round,
     blend,
-    f16_round,
     flat_view,
     fma,
     load_grad,
     scalar_hyperparams,
-    store_snap,
 )
 from .hyperparams import AdamHyperparams, require_hyperparams
 
@@ -86,6 +92,10 @@ _BLOCK = 64  # 4 lines of fp32: one prefetch per line and stream
 _BLOCK_U = np.uint64(_BLOCK)  # index arithmetic stays uint64 (uint64 + int64 is float64 in numba)
 _LINE_F32 = 16
 _PREFETCH_AHEAD = np.uint64(256)
+# bf16 moments: the vectorized loop runs over _BF16_BLOCKS prefetch blocks at a time, prefetched together at its
+# start, since each loop entry pays LLVM's run-time alias checks between the six streams (~90 instructions).
+_BF16_BLOCKS = 4
+_BF16_BLOCK_U = np.uint64(_BF16_BLOCKS * _BLOCK)
 # Below this many elements a job runs on one thread. Per call, bf16 grad and snapshot, 1 vs 2 threads (us):
 # 4096 el. 87.7 vs 95.8, 16384 el. 111.5 vs 101.7, 65536 el. 138.8 vs 124.9 (~70 us of it is Python).
 _MIN_PARALLEL_ELEMS = 1 << 14
@@ -127,42 +137,6 @@ def _prefetch_opt_impl(arr, i):
     if isinstance(arr, types.NoneType):
         return lambda arr, i: None
     return lambda arr, i: _prefetch(arr, i)
-
-
-# --- masked snapshot store: the mixed runs' twin of _numba_utils.store_snap -----------------------------------------
-
-
-def _store_snap_masked(snap, i, p, mask):  # pragma: no cover - typing stub
-    raise NotImplementedError
-
-
-@overload(_store_snap_masked)
-def _store_snap_masked_impl(snap, i, p, mask):
-    # ``mask`` is 0xFFFFFFFF (store) or 0 (keep the old value). The 16-bit formats blend with integer and/or: a
-    # select between 16-bit loads made LLVM's cost model refuse to vectorize the loop (bf16 mixed runs: 5.0 ns per
-    # element, 1.5 with and/or; one thread, data in L3).
-    if isinstance(snap, types.NoneType):
-        return lambda snap, i, p, mask: None
-    if snap.dtype == types.float32:
-
-        def store_f32(snap, i, p, mask):
-            snap[i] = blend(p, snap[i], mask)
-
-        return store_f32
-    if snap.dtype == types.uint16:
-
-        def store_bf16(snap, i, p, mask):
-            snap[i] = np.uint16(U32(bf16_round(p) & mask) | U32(U32(snap[i]) & U32(~mask)))
-
-        return store_bf16
-    if snap.dtype == types.int16:
-
-        def store_f16(snap, i, p, mask):
-            old = U32(np.uint16(snap[i]))
-            snap[i] = np.int16(np.uint16(U32(f16_round(p) & mask) | U32(old & U32(~mask))))
-
-        return store_f16
-    return None
 
 
 @register_jitable
@@ -356,6 +330,36 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
             _prefetch(grad, k + np.uint64(line * _LINE_F32))
 
 
+def _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, i):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_prefetch_block)
+def _prefetch_block_impl(master, exp_avg, exp_avg_sq, grad, snapshot, i):
+    """Prefetch the block of columns a run function's loop visits next (``_block_cols``), ahead of ``i``."""
+    if exp_avg.dtype == types.uint16:
+
+        def prefetch_bf16(master, exp_avg, exp_avg_sq, grad, snapshot, i):
+            for g in range(_BF16_BLOCKS):
+                _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i + np.uint64(g * _BLOCK))
+
+        return prefetch_bf16
+    return lambda master, exp_avg, exp_avg_sq, grad, snapshot, i: _prefetch_ahead(master, exp_avg, exp_avg_sq, grad,
+                                                                                  snapshot, i)
+
+
+def _block_cols(exp_avg):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_block_cols)
+def _block_cols_impl(exp_avg):
+    """Columns per loop of a run function: ``_BLOCK``, or ``_BF16_BLOCKS`` of them for bf16 moments."""
+    if exp_avg.dtype == types.uint16:
+        return lambda exp_avg: _BF16_BLOCK_U
+    return lambda exp_avg: _BLOCK_U
+
+
 # The run functions are separate functions with unsigned indices because LLVM then vectorizes them: numba wraps
 # negative signed indices (the address becomes a select LLVM cannot bound: "cannot identify array bounds"), and
 # loop values that live on after a loop inside a bigger function block the vectorizer ("value ... used outside the
@@ -363,34 +367,42 @@ def _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i):
 
 
 @register_jitable(error_model="numpy")
-def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, step_size, inv_bc2, hp):
+def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, step_size, inv_bc2, hp):
     """Columns ``[a, b)`` of the row at flat offset ``base``, all updated, in prefetched blocks.
 
-    ``step_size``/``inv_bc2`` are per-column arrays, or two scalars when the run is uniform (``_col``).
+    ``steps`` (the step counts), ``step_size`` and ``inv_bc2`` are per-column arrays, or scalars when the run is
+    uniform (``_col``).
     """
+    c = sr_consts(exp_avg, hp[11])  # the bf16 moments' rounding constants, as run-time values
     j0 = a
     while j0 < b:
-        _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
-        j1 = min(j0 + _BLOCK_U, b)
+        _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
+        j1 = min(j0 + _block_cols(exp_avg), b)
+        # The hash's index (mod 2^32) is a uint32 counter of its own: taken from the uint64 ``i``, LLVM built its
+        # vector lane by lane (8 lea, 8 vmovq and 6 shuffles per 8 elements); a uint32 induction is one vpaddd.
+        q = U32(base + j0)
         for j in range(j0, j1):
             i = base + j
             p, m, v = _adamw_step(master[i], load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)), c)
+            q = U32(q + U32(1))
             master[i] = p
-            store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)))
-            store_moment(exp_avg_sq, i, v, U32(noise >> U16))
-            store_snap(snapshot, i, p)
+            store_moment(exp_avg, i, m, U32(noise & U32(0xFFFF)), c)
+            store_moment(exp_avg_sq, i, v, U32(noise >> U16), c)
+            store_snapshot(exp_avg, snapshot, i, p, c)
         j0 = j1
 
 
 @register_jitable(error_model="numpy")
-def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp):
+def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, steps, step_size, inv_bc2, hp):
     """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
+    c = sr_consts(exp_avg, hp[11])
     j0 = a
     while j0 < b:
-        _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
-        j1 = min(j0 + _BLOCK_U, b)
+        _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
+        j1 = min(j0 + _block_cols(exp_avg), b)
+        q = U32(base + j0)  # the hash's index (see _run_dense)
         for j in range(j0, j1):
             i = base + j
             p0 = master[i]
@@ -398,14 +410,15 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, co
             v0 = exp_avg_sq[i]
             p, m, v = _adamw_step(p0, load_grad(exp_avg, i), load_grad(exp_avg_sq, i), load_grad(grad, i),
                                   _col(step_size, j), _col(inv_bc2, j), hp)
-            noise = moment_noise(exp_avg, i, col_step[j])
+            noise = moment_noise(exp_avg, q, noise_key(exp_avg, _col(steps, j)), c)
+            q = U32(q + U32(1))
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
             mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
             master[i] = blend(p, p0, mask)
-            store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask)
-            store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask)
-            _store_snap_masked(snapshot, i, p, mask)
+            store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask, c)
+            store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask, c)
+            store_snapshot_masked(exp_avg, snapshot, i, p, mask, c)
         j0 = j1
 
 
@@ -424,14 +437,17 @@ def _host_adamw_kernel(master, exp_avg, exp_avg_sq, grad, snapshot, cols, slot, 
         b = np.uint64(stops[k])
         # Three loop variants; _col dispatches on the argument type. A run whose columns have several step counts
         # takes the general (mixed, per-column) loop even without selected columns: rarer, and one variant fewer
-        # to compile (each costs ~1 s per dtype combination).
+        # to compile (each costs ~1 s per dtype combination). A uniform run passes its step count as a scalar, so
+        # that the bf16 moments' noise key is loop-invariant; its selected columns may count other steps, but their
+        # results are discarded.
         if not uniform[k]:
             _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, step_size, inv_bc2, hp)
         elif mixed[k]:
-            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, col_step, run_ss[k], run_ib[k],
-                       hp)
+            step = run_step(exp_avg, slot, col_step, a)
+            _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, step, run_ss[k], run_ib[k], hp)
         else:
-            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, col_step, run_ss[k], run_ib[k], hp)
+            step = run_step(exp_avg, slot, col_step, a)
+            _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, step, run_ss[k], run_ib[k], hp)
 
 
 # --- launcher ---------------------------------------------------------------------------------------------------------

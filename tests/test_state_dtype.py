@@ -119,6 +119,46 @@ def test_numba_moments_match_reference_bit_for_bit(shape, pattern, grad_dtype) -
         assert torch.equal(_bits(snap_ours)[:, unsel], _bits(ours[0].to(torch.bfloat16))[:, unsel])
 
 
+@pytest.mark.parametrize("snap_dtype", [None, torch.float32, torch.float16, torch.bfloat16],
+                         ids=["nosnap", "s32", "s16", "sb16"])
+@pytest.mark.parametrize("pattern", ["none", "random"])
+def test_numba_moments_match_reference_with_every_snapshot_and_nan(pattern, snap_dtype) -> None:
+    """Every snapshot output (or none) beside bf16 moments, and non-finite gradients: the rounding's NaN case (0x7FC0)
+    in the moments and the bf16 snapshot. The updated columns share one step count (the kernel's dense and uniform
+    loops, whose noise uses the run's count: the selected columns, run starts included, count other steps)."""
+    rows, cols = 9, 300
+    gen = torch.Generator().manual_seed(11)
+    slot = make_slot(cols, pattern, gen)
+    if pattern != "none":
+        slot[0] = int(slot.max()) + 1  # a run whose first column is selected
+    unsel = slot < 0
+    col_step = torch.full((cols,), 7, dtype=torch.int32)
+    col_step[~unsel] += 3
+    master, m, v = make_state(rows, cols, gen)
+    ours = [master, m.to(torch.bfloat16), v.to(torch.bfloat16)]
+    ref = [t.clone() for t in ours]
+    grad = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    grad[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
+    grad[3, 70] = float("nan")
+    grad[5, cols - 1] = float("nan")
+    snap = None if snap_dtype is None else torch.zeros(rows, cols, dtype=snap_dtype)
+    kw = dict(count=1, slot=slot, col_step=col_step, hp=HP)
+    reference.host_adamw_(*ref, grad, **kw)
+    host_adamw_(*ours, grad, snapshot=snap, **kw)
+    assert torch.equal(_bits(ours[1]), _bits(ref[1])), "exp_avg"
+    assert torch.equal(_bits(ours[2]), _bits(ref[2])), "exp_avg_sq"
+    assert bool(ours[1].isnan().any()), "the NaN case was not reached"
+    assert_close(ours[0], ref[0], "master")
+    if snap is not None:
+        nan = ours[0].isnan()
+        updated = unsel[None, :].expand(rows, cols)
+        assert torch.equal(_bits(snap)[updated & ~nan], _bits(ours[0].to(snap_dtype))[updated & ~nan])
+        assert bool(snap[updated & nan].isnan().all()) and bool(nan.any())
+        if snap_dtype == torch.bfloat16:
+            assert bool((_bits(snap)[updated & nan] == 0x7FC0).all())
+        assert bool((snap[~updated] == 0).all()), "a selected column's snapshot changed"
+
+
 def test_bf16_rule_is_the_fp32_update_rounded() -> None:
     """The reference's bf16 rule is the fp32 rule (which tests/test_reference.py chains to torch.optim.AdamW) with
     the updated moments rounded by bf16_stochastic, and the master stepped with the unrounded ones."""
