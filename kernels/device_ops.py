@@ -84,10 +84,11 @@ class DeviceOps(Protocol):
         ...
 
     def merge_(self, param: torch.Tensor, snapshot: torch.Tensor, slot: torch.Tensor) -> None:
-        """``param[:, j] = snapshot[:, j]`` for every unselected column j (``slot[j] < 0``), in place.
+        """``param[:, j] = snapshot[:, j]`` for every unselected column j (``slot[j] < 0``), in place; ``snapshot``
+        in ``param``'s dtype, or the fp32 master (``host_snapshot=False``), rounded to nearest even.
 
         Implementations: ``reference.merge_`` (torch), ``numba_device_ops.merge_`` (numba), ``merge.merge_``
-        (triton); the numba and Triton ones copy bits exactly.
+        (triton); the numba and Triton ones copy bits exactly, and round by the host kernel's integer rule.
         """
         ...
 
