@@ -109,13 +109,17 @@ def _ceiling16_kernel(p, m, v, g, s, chunk):  # pragma: no cover - numba
         _ceiling16_run(p, m, v, g, s, np.uint64(a), np.uint64(min(a + chunk, n)))
 
 
-def ceiling_bf16_moments_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+def ceiling_bf16_moments_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          s: torch.Tensor | None) -> None:
     """:func:`ceiling_` for state_dtype="bfloat16" with bf16 grad and snapshot: 20 B/param, trivial math (the 16-bit
-    streams as int16 bits)."""
+    streams as int16 bits); ``s`` None: no snapshot stream, 18 B/param (the fp32 ceiling loop over 16-bit m, v, g)."""
     def bits(t: torch.Tensor):
         return t.view(-1).view(torch.int16).numpy()
 
-    _ceiling16_kernel(p.view(-1).numpy(), bits(m), bits(v), bits(g), bits(s), 16384)
+    if s is None:
+        _ceiling_kernel(p.view(-1).numpy(), bits(m), bits(v), bits(g), 16384)
+    else:
+        _ceiling16_kernel(p.view(-1).numpy(), bits(m), bits(v), bits(g), bits(s), 16384)
 
 
 def ceiling_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:

@@ -22,11 +22,17 @@ import statistics
 import time
 
 import numba
-import numpy as np
 import torch
 from common import bench_numel, bench_rounds, bench_shape, bench_threads, make_host_buffers, make_slot
-from numba import njit, prange
-from providers import BYTES_PER_PARAM, HOST_HP, HostAdamWProvider, ceiling_, host_adamw_providers, host_adamw_step
+from providers import (
+    BYTES_PER_PARAM,
+    HOST_HP,
+    HostAdamWProvider,
+    ceiling_,
+    ceiling_bf16_moments_,
+    host_adamw_providers,
+    host_adamw_step,
+)
 
 from zenflow_triton.kernels import cpu_adamw
 
@@ -48,27 +54,10 @@ def _cpu_busy_fraction(interval: float = 0.2) -> float:
 
 
 # The host job with bf16 moments and no snapshot output (the merge reads the fp32 master): master 4 + 4, m and v
-# 2 + 2 each, bf16 grad 2 = 18 B/param. Its providers live here, not in providers.py, with a ceiling of that traffic.
+# 2 + 2 each, bf16 grad 2 = 18 B/param. Its providers live here, not in providers.py; its ceiling is
+# providers.ceiling_bf16_moments_ without the snapshot stream.
 NO_SNAPSHOT = "bf16 moments, no snapshot"
 _NO_SNAPSHOT_BYTES = 18
-
-
-@njit(nogil=True)
-def _ceiling16_nosnap_run(p, m, v, g, a, b):  # pragma: no cover - numba
-    # providers._ceiling16_run without the snapshot stream; its own function with unsigned indices (vectorizes).
-    for i in range(a, b):
-        gi = g[i]
-        p[i] = p[i] + np.float32(1.0)
-        m[i] = m[i] + gi
-        v[i] = v[i] + gi
-
-
-@njit(parallel=True, nogil=True)
-def _ceiling16_nosnap_kernel(p, m, v, g, chunk):  # pragma: no cover - numba
-    n = p.shape[0]
-    for c in prange((n + chunk - 1) // chunk):
-        a = c * chunk
-        _ceiling16_nosnap_run(p, m, v, g, np.uint64(a), np.uint64(min(a + chunk, n)))
 
 
 def no_snapshot_providers(numel: int, threads: int, names: tuple[str, ...] | None,
@@ -86,8 +75,8 @@ def no_snapshot_providers(numel: int, threads: int, names: tuple[str, ...] | Non
     label = "ceiling bf16 moments no snapshot"
     if names is None or label in names:
         c = buffers(0)
-        bits = [t.view(-1).view(torch.int16).numpy() for t in (c.exp_avg, c.exp_avg_sq, c.grad)]
-        out[label] = HostAdamWProvider(label, lambda: _ceiling16_nosnap_kernel(c.master.view(-1).numpy(), *bits, 16384),
+        out[label] = HostAdamWProvider(label, lambda: ceiling_bf16_moments_(c.master, c.exp_avg, c.exp_avg_sq, c.grad,
+                                                                            None),
                                        n, _NO_SNAPSHOT_BYTES, 1.0, NO_SNAPSHOT)
     for sel in selected:
         label = f"host_adamw bf16 moments no snapshot {sel:.0%}"

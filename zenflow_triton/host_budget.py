@@ -216,7 +216,7 @@ def _cuts(params: Sequence[torch.Tensor], config: Any, need: HostNeed) -> list[s
         changes.append(('state_dtype="bfloat16"', {"state_dtype": "bfloat16"}, need.accumulate))
     if fields.get("overlap", True) and fields.get("overlap_steps") != 1:
         changes.append(("overlap_steps=1", {"overlap_steps": 1}, need.accumulate))
-    if fields.get("host_snapshot", True) and "host_snapshot" in _config_fields():
+    if fields.get("host_snapshot", True):  # offered where it cuts: a bf16/fp16 model's (the totals are compared)
         changes.append(("host_snapshot=False", {"host_snapshot": False}, need.accumulate))
     out = []
     for label, change, mode in changes:
