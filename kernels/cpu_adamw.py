@@ -10,8 +10,10 @@ Design: columns are cut into chunks; a plan (per call, O(C)) lists the runs of c
 skipping blocks of selected columns, and notes whether a run's columns share one step count (then the bias
 corrections are two scalars). Work items are (row, run), split statically over the threads, so each thread
 streams a contiguous range of rows. Inside a run the loop has no branches: a run holding selected columns
-computes them too and blends the old bits back with integer masks. Loops vectorize to 8-lane AVX2, and software
-prefetch keeps every stream ahead of the arithmetic.
+computes them too and blends the old bits back with integer masks. Loops vectorize to 8-lane AVX2. With fp32
+moments the memory traffic bounds the loop and software prefetch keeps every stream ahead of the arithmetic; with
+bf16 moments the arithmetic does (hash, stochastic rounding), so their loops have no prefetch, and under the
+common hyperparameter flags no branches on them (``_common_hyperparams``).
 
 Rounding follows ``torch.optim.AdamW`` (foreach=False) op for op where that costs nothing: torch's x86 kernels
 compute ``lerp_``, ``addcmul_`` and ``add(alpha=)`` with a fused multiply-add (checked on torch 2.13, AVX2, vector
@@ -92,10 +94,11 @@ _BLOCK = 64  # 4 lines of fp32: one prefetch per line and stream
 _BLOCK_U = np.uint64(_BLOCK)  # index arithmetic stays uint64 (uint64 + int64 is float64 in numba)
 _LINE_F32 = 16
 _PREFETCH_AHEAD = np.uint64(256)
-# bf16 moments: the vectorized loop runs over _BF16_BLOCKS prefetch blocks at a time, prefetched together at its
-# start, since each loop entry pays LLVM's run-time alias checks between the six streams (~90 instructions).
-_BF16_BLOCKS = 4
-_BF16_BLOCK_U = np.uint64(_BF16_BLOCKS * _BLOCK)
+# bf16 moments: no software prefetch, and one loop per run (each loop entry pays LLVM's run-time alias checks
+# between the six streams, ~90 instructions). Their loop is arithmetic-bound, and the prefetches and block
+# boundaries cost more than they hide: 16M params, 2 threads, 0.56-0.57 -> 0.65-0.73 of the ceiling
+# (bench/results/host-bf16-moments-loops-2026-12-07.md).
+_RUN_COLS_U = np.uint64(_CHUNK_COLS)  # a run never crosses a chunk
 # Below this many elements a job runs on one thread. Per call, bf16 grad and snapshot, 1 vs 2 threads (us):
 # 4096 el. 87.7 vs 95.8, 16384 el. 111.5 vs 101.7, 65536 el. 138.8 vs 124.9 (~70 us of it is Python).
 _MIN_PARALLEL_ELEMS = 1 << 14
@@ -289,16 +292,53 @@ def _plan(slot, col_step, lr, beta1, beta2, chunk, block):
 
 # --- the kernel -----------------------------------------------------------------------------------------------------
 
-@register_jitable(error_model="numpy")
-def _adamw_step(p, m, v, g, ss, inv_bc2, hp):
-    """One element of this kernel's AdamW: ``g`` is the raw gradient sum, ``hp`` the tuple of ``scalar_hyperparams``,
-    and the denominator is ``fma(sqrt(v), 1 / bc2, eps)`` (module docstring)."""
-    scale, count, divide, decay, l2, coupled, w, base_is_m, b2, omb2, eps, _ = hp
-    g = g * scale  # 1 / count where that is exact (count a power of two), else 1
-    g = g / count if divide else g  # other counts: divide, as torch does
-    p, m, v = adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
-    denom = fma(math.sqrt(v), inv_bc2, eps)  # torch: sqrt(v) / bc2 + eps
-    return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
+def _adamw_step(p, m, v, g, ss, inv_bc2, hp):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(_adamw_step, jit_options={"error_model": "numpy"})
+def _adamw_step_impl(p, m, v, g, ss, inv_bc2, hp):
+    """One element of this kernel's AdamW: ``g`` is the raw gradient sum, ``hp`` the tuple of ``scalar_hyperparams``
+    or its short form ``_common_hyperparams``, and the denominator is ``fma(sqrt(v), 1 / bc2, eps)`` (module
+    docstring)."""
+    if len(hp) == len(_COMMON_FIELDS):
+
+        def common(p, m, v, g, ss, inv_bc2, hp):
+            # adamw_moments with coupled and divide False, base_is_m True: the same operations, no branches
+            scale, decay, w, b2, omb2, eps, _ = hp
+            g = g * scale
+            p = p * decay
+            m = fma(w, g - m, m)
+            v = fma(omb2 * g, g, v * b2)
+            denom = fma(math.sqrt(v), inv_bc2, eps)
+            return p - (ss * m) / denom, m, v
+
+        return common
+
+    def general(p, m, v, g, ss, inv_bc2, hp):
+        scale, count, divide, decay, l2, coupled, w, base_is_m, b2, omb2, eps, _ = hp
+        g = g * scale  # 1 / count where that is exact (count a power of two), else 1
+        g = g / count if divide else g  # other counts: divide, as torch does
+        p, m, v = adamw_moments(p, m, v, g, decay, l2, coupled, w, base_is_m, b2, omb2)
+        denom = fma(math.sqrt(v), inv_bc2, eps)  # torch: sqrt(v) / bc2 + eps
+        return p - (ss * m) / denom, m, v  # addcdiv_(m, denom, value=-step_size)
+
+    return general
+
+
+# scalar_hyperparams' fields that _common_hyperparams keeps (``ones``, 0xFFFFFFFF at run time, last in both forms)
+_COMMON_FIELDS = (0, 3, 6, 8, 9, 10, 11)
+
+
+def _common_hyperparams(hp: tuple) -> tuple | None:
+    """``scalar_hyperparams`` without its three flags, where they take the common values (no divide, decoupled or no
+    weight decay, lerp from ``m``: beta1 > 0.5), else None. The loops compiled for this form have no branches on
+    the flags, which matters where the arithmetic bounds the loop: with bf16 moments (bench/results/
+    host-bf16-moments-loops-2026-12-07.md); with fp32 moments the memory traffic hides the branches."""
+    _, _, divide, _, _, coupled, _, base_is_m = hp[:8]
+    if divide or coupled or not base_is_m:
+        return None
+    return tuple(hp[k] for k in _COMMON_FIELDS)
 
 
 def _col(src, j):  # pragma: no cover - typing stub
@@ -336,14 +376,10 @@ def _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, i):  # pragma: 
 
 @overload(_prefetch_block)
 def _prefetch_block_impl(master, exp_avg, exp_avg_sq, grad, snapshot, i):
-    """Prefetch the block of columns a run function's loop visits next (``_block_cols``), ahead of ``i``."""
+    """Prefetch the block of columns a run function's loop visits next (``_block_cols``), ahead of ``i``; nothing
+    for bf16 moments."""
     if exp_avg.dtype == types.uint16:
-
-        def prefetch_bf16(master, exp_avg, exp_avg_sq, grad, snapshot, i):
-            for g in range(_BF16_BLOCKS):
-                _prefetch_ahead(master, exp_avg, exp_avg_sq, grad, snapshot, i + np.uint64(g * _BLOCK))
-
-        return prefetch_bf16
+        return lambda master, exp_avg, exp_avg_sq, grad, snapshot, i: None
     return lambda master, exp_avg, exp_avg_sq, grad, snapshot, i: _prefetch_ahead(master, exp_avg, exp_avg_sq, grad,
                                                                                   snapshot, i)
 
@@ -354,9 +390,9 @@ def _block_cols(exp_avg):  # pragma: no cover - typing stub
 
 @overload(_block_cols)
 def _block_cols_impl(exp_avg):
-    """Columns per loop of a run function: ``_BLOCK``, or ``_BF16_BLOCKS`` of them for bf16 moments."""
+    """Columns per loop of a run function: ``_BLOCK``, or the whole run for bf16 moments."""
     if exp_avg.dtype == types.uint16:
-        return lambda exp_avg: _BF16_BLOCK_U
+        return lambda exp_avg: _RUN_COLS_U
     return lambda exp_avg: _BLOCK_U
 
 
@@ -373,7 +409,7 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, s
     ``steps`` (the step counts), ``step_size`` and ``inv_bc2`` are per-column arrays, or scalars when the run is
     uniform (``_col``).
     """
-    c = sr_consts(exp_avg, hp[11])  # the bf16 moments' rounding constants, as run-time values
+    c = sr_consts(exp_avg, hp[-1])  # the bf16 moments' rounding constants, as run-time values
     j0 = a
     while j0 < b:
         _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
@@ -397,7 +433,7 @@ def _run_dense(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, steps, s
 @register_jitable(error_model="numpy")
 def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, steps, step_size, inv_bc2, hp):
     """Like ``_run_dense``, but only columns with ``slot[j] < 0`` change; the rest are computed and discarded."""
-    c = sr_consts(exp_avg, hp[11])
+    c = sr_consts(exp_avg, hp[-1])
     j0 = a
     while j0 < b:
         _prefetch_block(master, exp_avg, exp_avg_sq, grad, snapshot, base + j0)
@@ -414,7 +450,7 @@ def _run_mixed(master, exp_avg, exp_avg_sq, grad, snapshot, base, a, b, slot, st
             q = U32(q + U32(1))
             # All ones for an unselected column (slot < 0), else 0. The AND with ``ones`` (0xFFFFFFFF, but a runtime
             # value) hides that the mask is a sign splat, or LLVM would turn the blends below into masked stores.
-            mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[11])
+            mask = U32(U32(np.int32(slot[j]) >> np.int32(31)) & hp[-1])
             master[i] = blend(p, p0, mask)
             store_moment_masked(exp_avg, i, m, m0, U32(noise & U32(0xFFFF)), mask, c)
             store_moment_masked(exp_avg_sq, i, v, v0, U32(noise >> U16), mask, c)
@@ -511,9 +547,11 @@ def host_adamw_(
         if kernel_threads != numba.get_num_threads():
             numba.set_num_threads(kernel_threads)
         snap = None if snapshot is None else flat_view(snapshot)
+        hpt = scalar_hyperparams(count, hp)
+        if exp_avg.dtype == torch.bfloat16:
+            hpt = _common_hyperparams(hpt) or hpt
         _host_adamw_kernel(flat_view(master), flat_view(exp_avg), flat_view(exp_avg_sq), flat_view(grad), snap,
-                           cols, slot_np, step_np, *plan[:-1],
-                           scalar_hyperparams(count, hp))
+                           cols, slot_np, step_np, *plan[:-1], hpt)
     finally:
         if numba.get_num_threads() != previous:
             numba.set_num_threads(previous)
@@ -534,8 +572,9 @@ def warmup(
     """Compile (or load from numba's on-disk cache) the kernels for these gradient, snapshot and moment dtypes.
 
     By default all eight fp32-moment kernels (fp32 or bf16 grad x no/fp32/bf16/fp16 snapshot): 3-5 s of compilation
-    each on a cold cache (the first run on a machine), ~0.1 s each when numba's cache is warm. An optimizer passes
-    just the dtypes it will use. Safe to call from several threads and more than once.
+    each on a cold cache (the first run on a machine), ~0.1 s each when numba's cache is warm; bf16 moments compile
+    two kernels per dtype combination (the common flags' and the general one: ``_common_hyperparams``). An optimizer
+    passes just the dtypes it will use. Safe to call from several threads and more than once.
     """
     with _warm_lock:
         slot = torch.tensor([-1, 0], dtype=torch.int32)
@@ -546,6 +585,7 @@ def warmup(
                 continue
             gdt, sdt, mdt = key
             snap = None if sdt is None else z(1, 2, dtype=sdt)
-            host_adamw_(z(1, 2), z(1, 2, dtype=mdt), z(1, 2, dtype=mdt), z(1, 2, dtype=gdt), count=1, slot=slot,
-                        col_step=col_step, hp=_WARMUP_HP, snapshot=snap)
+            for count in (1, 3) if mdt == torch.bfloat16 else (1,):  # 3: a divided count, the general form
+                host_adamw_(z(1, 2), z(1, 2, dtype=mdt), z(1, 2, dtype=mdt), z(1, 2, dtype=gdt), count=count,
+                            slot=slot, col_step=col_step, hp=_WARMUP_HP, snapshot=snap)
             _warmed.add(key)

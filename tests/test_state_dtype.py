@@ -159,6 +159,40 @@ def test_numba_moments_match_reference_with_every_snapshot_and_nan(pattern, snap
         assert bool((snap[~updated] == 0).all()), "a selected column's snapshot changed"
 
 
+@pytest.mark.parametrize("steps", ["uniform", "per-column"])
+@pytest.mark.parametrize("snap_dtype", [None, torch.bfloat16], ids=["nosnap", "sb16"])
+@pytest.mark.parametrize("pattern", ["none", "random"])
+def test_common_flags_loops_match_the_general_ones(pattern, snap_dtype, steps, monkeypatch) -> None:
+    """With bf16 moments and the common flags (no divide, decoupled decay, beta1 > 0.5) the kernel runs loops compiled
+    without the flags (``cpu_adamw._common_hyperparams``): every output bit equals the general loops' (all three: dense,
+    uniform with selected columns, per-column step counts), NaN included."""
+    rows, cols = 7, 4099 + 300
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{pattern}{snap_dtype}{steps}".encode()))
+    slot = make_slot(cols, pattern, gen)
+    col_step = torch.full((cols,), 5, dtype=torch.int32)
+    if steps == "per-column":
+        col_step += torch.randint(0, 9, (cols,), dtype=torch.int32, generator=gen)
+    master, m, v = make_state(rows, cols, gen)
+    grad = torch.randn(rows, cols, generator=gen).mul_(4).to(torch.bfloat16)
+    grad[2, int((slot < 0).nonzero()[0])] = float("nan")  # in an updated column
+    hp = replace(HP, decoupled=True)
+    assert cpu_adamw._common_hyperparams(cpu_adamw.scalar_hyperparams(4, hp)) is not None
+    outs = []
+    for common in (True, False):
+        if not common:
+            monkeypatch.setattr(cpu_adamw, "_common_hyperparams", lambda hpt: None)
+        state = [master.clone(), m.to(torch.bfloat16), v.to(torch.bfloat16)]
+        snap = None if snap_dtype is None else torch.zeros(rows, cols, dtype=snap_dtype)
+        host_adamw_(*state, grad, count=4, slot=slot, col_step=col_step, hp=hp, snapshot=snap)
+        outs.append([_bits(t) for t in state + ([] if snap is None else [snap])])
+    assert bool(outs[0][1].eq(0x7FC0).any()), "the NaN case was not reached"
+    for name, a, b in zip(["master", "exp_avg", "exp_avg_sq", "snapshot"], *outs):
+        assert torch.equal(a, b), name
+    # The general form is what the other flags get: a divided count, L2 decay, beta1 <= 0.5.
+    for count, h in [(3, hp), (4, replace(hp, decoupled=False)), (4, replace(hp, beta1=0.4))]:
+        assert cpu_adamw._common_hyperparams(cpu_adamw.scalar_hyperparams(count, h)) is None
+
+
 def test_bf16_rule_is_the_fp32_update_rounded() -> None:
     """The reference's bf16 rule is the fp32 rule (which tests/test_reference.py chains to torch.optim.AdamW) with
     the updated moments rounded by bf16_stochastic, and the master stepped with the unrounded ones."""
