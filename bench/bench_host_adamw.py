@@ -63,3 +63,39 @@ def test_host_adamw_providers(benchmark, name: str) -> None:
     benchmark.extra_info.update(info)
     del provider
     gc.collect()  # the next provider's gigabytes should not sit next to these
+
+
+
+def test_bound_bf16_moments_loop_is_the_kernel() -> None:
+    """bench/bound_bf16_moments.py's "loop" row computes what the kernel computes: every output bit of the dense
+    kernel with nothing selected (so its stripped copies bound the kernel's own arithmetic)."""
+    import dataclasses
+
+    import bound_bf16_moments as bound
+    import torch
+    from common import make_host_buffers
+
+    from zenflow_triton.kernels._numba_utils import flat_view
+    from zenflow_triton.kernels.cpu_adamw import host_adamw_
+
+    rows, cols = 5, 4099
+    b = make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5)
+    b = dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+    loop = [t.clone() for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)]
+    host_adamw_(b.master, b.exp_avg, b.exp_avg_sq, b.grad, count=1, slot=torch.full((cols,), -1, dtype=torch.int32),
+                col_step=torch.full((cols,), bound._STEP, dtype=torch.int32), hp=bound.HOST_HP, snapshot=b.snapshot)
+    bound._make_loop(0)(*[flat_view(t) for t in loop], *bound.loop_args(), 16384)
+    for name, ours, kernel in zip(["master", "exp_avg", "exp_avg_sq", "grad", "snapshot"], loop,
+                                  (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)):
+        assert torch.equal(ours.view(torch.uint8), kernel.view(torch.uint8)), name
+
+
+def test_bound_bf16_moments_runs() -> None:
+    """bench/bound_bf16_moments.py (what bounds the bf16-moment kernel) runs and reports every row against the
+    ceiling; its figures are in bench/results, not asserted here."""
+    import bound_bf16_moments
+
+    ratios = bound_bf16_moments.main(["--numel", str(bench_numel()), "--rounds", "1", "--threads",
+                                      str(bench_threads())])
+    assert set(ratios) == {"ceiling bf16 moments", "host_adamw_", *bound_bf16_moments.LOOPS}
+    assert ratios["ceiling bf16 moments"] == 1.0 and all(r > 0 for r in ratios.values())

@@ -1,0 +1,121 @@
+"""What bounds the host AdamW with bf16 moments: the kernel beside bare loops of its dense arithmetic with parts of
+the rounding stripped, each against the same-traffic ceiling, in interleaved rounds of one process.
+
+    python bench/bound_bf16_moments.py [--numel 16777216] [--rounds 9] [--threads 2]
+
+Rows, all on the same buffers (bf16 gradient in, bf16 snapshot out, nothing selected, the common flags):
+``host_adamw_`` the library call (checks, plan, kernel); ``loop`` the kernel's dense-loop arithmetic in a bare
+parallel loop over 16K-element chunks, built from the kernel's own helpers; then that loop ``without the NaN
+selects``, ``without the hash`` (noise = index ^ key) and ``truncating`` (no rounding at all: the AdamW step with bf16
+loads and stores). The last three are not valid kernels: they bound what cheaper rounding could reach. Findings:
+bench/results/host-bf16-moments-loops-2026-12-07.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import time
+
+import numba
+import numpy as np
+import torch
+from common import bench_rounds, bench_shape, bench_threads, make_host_buffers, make_slot
+from numba import njit, prange
+from numba.extending import register_jitable
+from providers import HOST_HP, ceiling_bf16_moments_, host_adamw_step
+
+from zenflow_triton.kernels import cpu_adamw
+from zenflow_triton.kernels._bf16_moments import _bf16_rne, _lowbias32, _sr_bf16, _step_key, sr_consts
+from zenflow_triton.kernels._numba_utils import U16, U32, f32_bits, flat_view, load_grad, scalar_hyperparams
+
+LOOPS = ("loop", "loop without the NaN selects", "loop without the hash", "loop truncating")
+_STEP = 5  # the step count the noise and the bias corrections use
+
+
+def _make_loop(variant: int):
+    """A parallel loop over chunks of the kernel's dense arithmetic; ``variant`` indexes LOOPS."""
+
+    @register_jitable(error_model="numpy")
+    def chunk(p, m, v, g, s, a, b, hp, ss, inv_bc2, c):
+        key = _step_key(_STEP)
+        q = U32(a)
+        for i in range(a, b):
+            x, mm, vv = cpu_adamw._adamw_step(p[i], load_grad(m, i), load_grad(v, i), load_grad(g, i), ss, inv_bc2,
+                                              hp)
+            p[i] = x
+            if variant == 3:
+                m[i], v[i], s[i] = np.uint16(f32_bits(mm) >> U16), np.uint16(f32_bits(vv) >> U16), \
+                    np.uint16(f32_bits(x) >> U16)
+                continue
+            noise = _lowbias32(U32(q ^ key), c[0], c[1]) if variant != 2 else U32(q ^ key)
+            q = U32(q + U32(1))
+            if variant == 1:
+                u = f32_bits(x)
+                m[i] = np.uint16(U32(f32_bits(mm) + U32(noise & U32(0xFFFF))) >> U16)
+                v[i] = np.uint16(U32(f32_bits(vv) + U32(noise >> U16)) >> U16)
+                s[i] = np.uint16(U32(U32(U32(u + U32(U32(u >> U16) & c[3])) + c[4]) >> U16))
+            else:
+                m[i] = np.uint16(_sr_bf16(mm, U32(noise & U32(0xFFFF)), c[2]))
+                v[i] = np.uint16(_sr_bf16(vv, U32(noise >> U16), c[2]))
+                s[i] = np.uint16(_bf16_rne(x, c))
+
+    @njit(parallel=True, nogil=True, error_model="numpy")
+    def run(p, m, v, g, s, hp, ss, inv_bc2, size):
+        c = sr_consts(m, hp[-1])
+        n = p.shape[0]
+        for k in prange((n + size - 1) // size):
+            chunk(p, m, v, g, s, np.uint64(k * size), np.uint64(min(n, (k + 1) * size)), hp, ss, inv_bc2, c)
+
+    return run
+
+
+def loop_args() -> tuple:
+    """The loops' scalar arguments for ``HOST_HP`` at step ``_STEP``: (hp in its common form, step size, 1 / bc2),
+    as the kernel computes them."""
+    hp = cpu_adamw._common_hyperparams(scalar_hyperparams(1, HOST_HP))
+    return (hp, *cpu_adamw._bias(_STEP, float(HOST_HP.lr), float(HOST_HP.beta1), float(HOST_HP.beta2)))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Print the table; returns each row's ratio to the ceiling (medians)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=1 << 24)
+    ap.add_argument("--rounds", type=int, default=bench_rounds())
+    ap.add_argument("--threads", type=int, default=bench_threads())
+    args = ap.parse_args(argv)
+    numba.set_num_threads(args.threads)
+    rows, cols = bench_shape(args.numel)
+    b = make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5)
+    b = dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+    views = [flat_view(t) for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)]
+    hp, ss, inv_bc2 = loop_args()
+    runs = {"ceiling bf16 moments": lambda: ceiling_bf16_moments_(b.master, b.exp_avg, b.exp_avg_sq, b.grad,
+                                                                  b.snapshot),
+            "host_adamw_": host_adamw_step(b, make_slot(cols, 0.0), args.threads)}
+    for name, loop in zip(LOOPS, map(_make_loop, range(len(LOOPS)))):
+        runs[name] = functools.partial(loop, *views, hp, ss, inv_bc2, 16384)
+    for f in runs.values():
+        f()  # compile
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    names = list(runs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    ceiling = statistics.median(times["ceiling bf16 moments"])
+    print(f"numel {rows * cols}, threads {args.threads}, {args.rounds} interleaved rounds")
+    print("| row | ms (median) | ms (min) | vs ceiling |\n|---|---:|---:|---:|")
+    ratios = {}
+    for name, t in times.items():
+        med = statistics.median(t)
+        ratios[name] = ceiling / med
+        print(f"| {name} | {med * 1e3:.1f} | {min(t) * 1e3:.1f} | {ratios[name]:.3f} |")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
