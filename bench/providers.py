@@ -67,6 +67,10 @@ HOST_HP = adam_hyperparams(HOST_TORCH_HP)
 # snapshot out: 12 + 2 read, 12 + 2 written = 28 as well. torch fused AdamW (fp32 grad) then a separate
 # fp32 -> bf16 copy of the weights: 28 + 4 read + 2 written = 34.
 # "bf16 moments" (state_dtype="bfloat16"): master 4 + 4, m and v 2 + 2 each, bf16 grad 2, bf16 snapshot 2.
+# The bf16-moment rows' step counts: one for every column (the kernel's uniform loops), or "per-column steps" (col_step
+# 10 + 0..5 at random): what training runs once the selection has moved, since selected columns count their steps
+# on the device; the kernel's general loop, with per-column bias corrections and noise keys.
+STEP_VARIANTS = ("", " per-column steps")
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 28, "torch+copy": 34, "ceiling": 28, "bf16 moments": 20}
 
 
@@ -177,7 +181,8 @@ def host_adamw_providers(
 
     Providers: ``ceiling``; ``host_adamw fp32 <sel>``; ``torch fused``; ``host_adamw bf16 <sel>`` (bf16 grad in,
     bf16 snapshot out); ``torch fused + bf16 copy`` (fp32 grad, then ``snapshot.copy_(param)``); ``ceiling bf16
-    moments`` and ``host_adamw bf16 moments <sel>`` (state_dtype="bfloat16", bf16 grad and snapshot); ``deepspeed``
+    moments`` and ``host_adamw bf16 moments <sel>[ per-column steps]`` (state_dtype="bfloat16", bf16 grad and
+    snapshot; ``STEP_VARIANTS``); ``deepspeed``
     (``DeepSpeedCPUAdam``, when importable). ``names`` restricts the set (to keep memory down).
     Sets torch's and numba's thread counts for the process to ``threads``.
     """
@@ -228,11 +233,13 @@ def host_adamw_providers(
             "ceiling bf16 moments",
             lambda: ceiling_bf16_moments_(c16.master, c16.exp_avg, c16.exp_avg_sq, c16.grad, c16.snapshot),
             n, BYTES_PER_PARAM["bf16 moments"], 1.0, "bf16 moments")
-    for s in selected:
-        label = f"host_adamw bf16 moments {s:.0%}"
+    for s, label in ((s, f"host_adamw bf16 moments {s:.0%}{steps}") for s in selected for steps in STEP_VARIANTS):
         if want(label):
             b = _bf16_moments(make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16,
                                                 seed=5))
+            if label.endswith(STEP_VARIANTS[1]):
+                gen = torch.Generator().manual_seed(7)
+                b.col_step.add_(torch.randint(0, 6, (cols,), dtype=torch.int32, generator=gen))
             out[label] = HostAdamWProvider(label, host_adamw_step(b, make_slot(cols, s), threads), n,
                                            BYTES_PER_PARAM["bf16 moments"], 1.0 - round(s * cols) / cols,
                                            "bf16 moments")
