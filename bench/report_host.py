@@ -9,9 +9,10 @@ or a change of clock speed hits every provider alike; the table shows medians. R
 ``vs torch`` compare seconds per step of the same matrix (> 1 = faster than the ceiling/torch), where "torch" is
 ``torch fused`` for the fp32 group and ``torch fused + bf16 copy`` for the bf16 group (bf16 grad in, bf16
 snapshot out); the "bf16 moments" group (state_dtype="bfloat16", 20 B/param; ``... per-column steps``: step counts
-that differ between columns, as in training) is compared with ``ceiling bf16 moments``, a loop with its traffic, and the "bf16 moments, no snapshot" group (the host job with no snapshot output,
-18 B/param: ``host_adamw bf16 moments no snapshot <sel>``) with ``ceiling bf16 moments no snapshot``. ``Mparam/s``
-counts every parameter of the matrix, selected or not.
+that differ between columns, as in training) is compared with ``ceiling bf16 moments``, a loop with its traffic,
+and the "bf16 moments, no snapshot" group (the host job with no snapshot output, 18 B/param: ``host_adamw bf16
+moments no snapshot <sel>``) with ``ceiling bf16 moments no snapshot``. ``Mparam/s`` counts every parameter of the
+matrix, selected or not.
 """
 
 from __future__ import annotations
