@@ -65,22 +65,19 @@ def test_host_adamw_providers(benchmark, name: str) -> None:
     gc.collect()  # the next provider's gigabytes should not sit next to these
 
 
-
 def test_bound_bf16_moments_loop_is_the_kernel() -> None:
     """bench/bound_bf16_moments.py's "loop" row computes what the kernel computes: every output bit of the dense
     kernel with nothing selected (so its stripped copies bound the kernel's own arithmetic)."""
-    import dataclasses
-
     import bound_bf16_moments as bound
     import torch
     from common import make_host_buffers
+    from providers import _bf16_moments
 
     from zenflow_triton.kernels._numba_utils import flat_view
     from zenflow_triton.kernels.cpu_adamw import host_adamw_
 
     rows, cols = 5, 4099
-    b = make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5)
-    b = dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+    b = _bf16_moments(make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5))
     loop = [t.clone() for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)]
     host_adamw_(b.master, b.exp_avg, b.exp_avg_sq, b.grad, count=1, slot=torch.full((cols,), -1, dtype=torch.int32),
                 col_step=torch.full((cols,), bound._STEP, dtype=torch.int32), hp=bound.HOST_HP, snapshot=b.snapshot)

@@ -14,10 +14,8 @@ bench/results/host-bf16-moments-loops-2026-12-07.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import statistics
-import time
 
 import numba
 import numpy as np
@@ -25,7 +23,8 @@ import torch
 from common import bench_rounds, bench_shape, bench_threads, make_host_buffers, make_slot
 from numba import njit, prange
 from numba.extending import register_jitable
-from providers import HOST_HP, ceiling_bf16_moments_, host_adamw_step
+from providers import BYTES_PER_PARAM, HOST_HP, HostAdamWProvider, _bf16_moments, ceiling_bf16_moments_, host_adamw_step
+from report_host import measure, table
 
 from zenflow_triton.kernels import cpu_adamw
 from zenflow_triton.kernels._bf16_moments import _bf16_rne, _lowbias32, _sr_bf16, _step_key, sr_consts
@@ -80,7 +79,7 @@ def loop_args() -> tuple:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Print the table; returns each row's ratio to the ceiling (medians)."""
+    """Print report_host's table for these rows; returns each row's median ratio to the ceiling."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--rounds", type=int, default=bench_rounds())
@@ -88,33 +87,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     numba.set_num_threads(args.threads)
     rows, cols = bench_shape(args.numel)
-    b = make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5)
-    b = dataclasses.replace(b, exp_avg=b.exp_avg.to(torch.bfloat16), exp_avg_sq=b.exp_avg_sq.to(torch.bfloat16))
+    b = _bf16_moments(make_host_buffers(rows, cols, grad_dtype=torch.bfloat16, snapshot_dtype=torch.bfloat16, seed=5))
     views = [flat_view(t) for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)]
-    hp, ss, inv_bc2 = loop_args()
-    runs = {"ceiling bf16 moments": lambda: ceiling_bf16_moments_(b.master, b.exp_avg, b.exp_avg_sq, b.grad,
-                                                                  b.snapshot),
-            "host_adamw_": host_adamw_step(b, make_slot(cols, 0.0), args.threads)}
+    steps = {"ceiling bf16 moments": lambda: ceiling_bf16_moments_(b.master, b.exp_avg, b.exp_avg_sq, b.grad,
+                                                                   b.snapshot),
+             "host_adamw_": host_adamw_step(b, make_slot(cols, 0.0), args.threads)}
     for name, loop in zip(LOOPS, map(_make_loop, range(len(LOOPS)))):
-        runs[name] = functools.partial(loop, *views, hp, ss, inv_bc2, 16384)
-    for f in runs.values():
-        f()  # compile
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    names = list(runs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - t0)
-    ceiling = statistics.median(times["ceiling bf16 moments"])
+        steps[name] = functools.partial(loop, *views, *loop_args(), 16384)
+    rows_ = {name: HostAdamWProvider(name, step, rows * cols, BYTES_PER_PARAM["bf16 moments"], 1.0, "bf16 moments")
+             for name, step in steps.items()}
+    times = measure(rows_, args.rounds)
     print(f"numel {rows * cols}, threads {args.threads}, {args.rounds} interleaved rounds")
-    print("| row | ms (median) | ms (min) | vs ceiling |\n|---|---:|---:|---:|")
-    ratios = {}
-    for name, t in times.items():
-        med = statistics.median(t)
-        ratios[name] = ceiling / med
-        print(f"| {name} | {med * 1e3:.1f} | {min(t) * 1e3:.1f} | {ratios[name]:.3f} |")
-    return ratios
+    print(table(rows_, times))
+    ceiling = statistics.median(times["ceiling bf16 moments"])
+    return {name: ceiling / statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":
