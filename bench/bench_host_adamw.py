@@ -81,7 +81,7 @@ def test_bound_bf16_moments_loop_is_the_kernel() -> None:
     loop = [t.clone() for t in (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)]
     host_adamw_(b.master, b.exp_avg, b.exp_avg_sq, b.grad, count=1, slot=torch.full((cols,), -1, dtype=torch.int32),
                 col_step=torch.full((cols,), bound._STEP, dtype=torch.int32), hp=bound.HOST_HP, snapshot=b.snapshot)
-    bound._make_loop(0)(*[flat_view(t) for t in loop], *bound.loop_args(), 16384)
+    bound._make_loop(0)(*[flat_view(t) for t in loop], *bound.loop_args(), 16384, 0)
     for name, ours, kernel in zip(["master", "exp_avg", "exp_avg_sq", "grad", "snapshot"], loop,
                                   (b.master, b.exp_avg, b.exp_avg_sq, b.grad, b.snapshot)):
         assert torch.equal(ours.view(torch.uint8), kernel.view(torch.uint8)), name
@@ -94,5 +94,6 @@ def test_bound_bf16_moments_runs() -> None:
 
     ratios = bound_bf16_moments.main(["--numel", str(bench_numel()), "--rounds", "1", "--threads",
                                       str(bench_threads())])
-    assert set(ratios) == {"ceiling bf16 moments", "host_adamw_", *bound_bf16_moments.LOOPS}
+    assert set(ratios) == {"ceiling bf16 moments", "host_adamw_", *bound_bf16_moments.LOOPS,
+                           *bound_bf16_moments.IN_L2}
     assert ratios["ceiling bf16 moments"] == 1.0 and all(r > 0 for r in ratios.values())

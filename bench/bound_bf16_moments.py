@@ -7,8 +7,11 @@ Rows, all on the same buffers (bf16 gradient in, bf16 snapshot out, nothing sele
 ``host_adamw_`` the library call (checks, plan, kernel); ``loop`` the kernel's dense-loop arithmetic in a bare
 parallel loop over 16K-element chunks, built from the kernel's own helpers; then that loop ``without the NaN
 selects``, ``without the hash`` (noise = index ^ key) and ``truncating`` (no rounding at all: the AdamW step with bf16
-loads and stores). The last three are not valid kernels: they bound what cheaper rounding could reach. Findings:
-bench/results/host-bf16-moments-loops-2026-12-07.md.
+loads and stores). The last three are not valid kernels: they bound what cheaper rounding could reach. The rows ``in
+L2`` do the same number of element updates with no memory traffic: each thread repeats the loop over one L2-resident
+16K-element chunk of its own. A kernel cannot take less time than its arithmetic alone, so their ``vs ceiling`` is
+the most any overlap of that arithmetic with the memory traffic could reach. Findings:
+bench/results/host-bf16-moments-loops-2026-12-07.md, bench/results/host-bf16-moments-bound-2026-12-07.md.
 """
 
 from __future__ import annotations
@@ -31,11 +34,17 @@ from zenflow_triton.kernels._bf16_moments import _bf16_rne, _lowbias32, _sr_bf16
 from zenflow_triton.kernels._numba_utils import U16, U32, f32_bits, flat_view, load_grad, scalar_hyperparams
 
 LOOPS = ("loop", "loop without the NaN selects", "loop without the hash", "loop truncating")
+IN_L2 = {"loop in L2": 0, "loop truncating in L2": 3}  # row -> LOOPS index
 _STEP = 5  # the step count the noise and the bias corrections use
 
 
 def _make_loop(variant: int):
-    """A parallel loop over chunks of the kernel's dense arithmetic; ``variant`` indexes LOOPS."""
+    """A parallel loop over chunks of the kernel's dense arithmetic; ``variant`` indexes LOOPS.
+
+    ``run(p, m, v, g, s, hp, step_size, inv_bc2, size, regions)``: with ``regions`` 0, chunk ``k`` covers elements
+    ``[k * size, (k + 1) * size)`` of the arrays; else there are ``len(p) // size`` chunks over the first
+    ``regions * size`` elements, the items of each thread's static share on one region (``regions`` = threads).
+    """
 
     @register_jitable(error_model="numpy")
     def chunk(p, m, v, g, s, a, b, hp, ss, inv_bc2, c):
@@ -62,11 +71,13 @@ def _make_loop(variant: int):
                 s[i] = np.uint16(_bf16_rne(x, c))
 
     @njit(parallel=True, nogil=True, error_model="numpy")
-    def run(p, m, v, g, s, hp, ss, inv_bc2, size):
+    def run(p, m, v, g, s, hp, ss, inv_bc2, size, regions):
         c = sr_consts(m, hp[-1])
         n = p.shape[0]
-        for k in prange((n + size - 1) // size):
-            chunk(p, m, v, g, s, np.uint64(k * size), np.uint64(min(n, (k + 1) * size)), hp, ss, inv_bc2, c)
+        items = (n + size - 1) // size
+        for k in prange(items):
+            a = k * size if regions == 0 else k * regions // items * size
+            chunk(p, m, v, g, s, np.uint64(a), np.uint64(min(n, a + size)), hp, ss, inv_bc2, c)
 
     return run
 
@@ -92,15 +103,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     steps = {"ceiling bf16 moments": lambda: ceiling_bf16_moments_(b.master, b.exp_avg, b.exp_avg_sq, b.grad,
                                                                    b.snapshot),
              "host_adamw_": host_adamw_step(b, make_slot(cols, 0.0), args.threads)}
-    for name, loop in zip(LOOPS, map(_make_loop, range(len(LOOPS)))):
-        steps[name] = functools.partial(loop, *views, *loop_args(), 16384)
+    loops = dict(zip(LOOPS, map(_make_loop, range(len(LOOPS)))))
+    for name, loop in loops.items():
+        steps[name] = functools.partial(loop, *views, *loop_args(), 16384, 0)
+    for name, variant in IN_L2.items():  # chunks of one row (cols | numel), one region per thread
+        steps[name] = functools.partial(loops[LOOPS[variant]], *views, *loop_args(), cols, args.threads)
     rows_ = {name: HostAdamWProvider(name, step, rows * cols, BYTES_PER_PARAM["bf16 moments"], 1.0, "bf16 moments")
              for name, step in steps.items()}
     times = measure(rows_, args.rounds)
     print(f"numel {rows * cols}, threads {args.threads}, {args.rounds} interleaved rounds")
     print(table(rows_, times))
-    ceiling = statistics.median(times["ceiling bf16 moments"])
-    return {name: ceiling / statistics.median(t) for name, t in times.items()}
+    # The CPU's share moves with the other tenants independently of the memory's, within a run: the ratio of each
+    # row to the ceiling of its own round follows the row's own speed more closely than a ratio of medians.
+    ceiling = times["ceiling bf16 moments"]
+    paired = {name: statistics.median(c / x for c, x in zip(ceiling, t)) for name, t in times.items()}
+    print("\nvs the ceiling of the same round (median over rounds): "
+          + ", ".join(f"{name} {r:.3f}" for name, r in paired.items() if name != "ceiling bf16 moments"))
+    return {name: statistics.median(ceiling) / statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":
