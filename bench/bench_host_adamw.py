@@ -97,3 +97,17 @@ def test_bound_bf16_moments_runs() -> None:
     assert set(ratios) == {"ceiling bf16 moments", "host_adamw_", *bound_bf16_moments.LOOPS,
                            *bound_bf16_moments.IN_L2}
     assert ratios["ceiling bf16 moments"] == 1.0 and all(r > 0 for r in ratios.values())
+
+
+def test_report_host_same_round_ratio() -> None:
+    """report_host's ``vs ceiling, same round`` is the median of the per-round ratios, not the ratio of medians: a
+    row that tracks the ceiling round for round reads 1.0 even when the machine's speed moves between rounds."""
+    from providers import HostAdamWProvider
+    from report_host import same_round, table
+
+    ceiling, row = [2.0, 4.0, 6.0], [1.0, 8.0, 3.0]
+    assert same_round(ceiling, row) == 2.0  # per round 2, 0.5, 2; the ratio of medians is 4 / 3
+    providers = {name: HostAdamWProvider(name, lambda: None, 1000, 28, 1.0, "fp32") for name in ("ceiling", "x")}
+    lines = table(providers, {"ceiling": ceiling, "x": row}).splitlines()
+    assert "vs ceiling, same round" in lines[0]
+    assert lines[-1].split("|")[7:9] == [" 1.333 ", " 2.000 "]

@@ -113,13 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     times = measure(rows_, args.rounds)
     print(f"numel {rows * cols}, threads {args.threads}, {args.rounds} interleaved rounds")
     print(table(rows_, times))
-    # The CPU's share moves with the other tenants independently of the memory's, within a run: the ratio of each
-    # row to the ceiling of its own round follows the row's own speed more closely than a ratio of medians.
-    ceiling = times["ceiling bf16 moments"]
-    paired = {name: statistics.median(c / x for c, x in zip(ceiling, t)) for name, t in times.items()}
-    print("\nvs the ceiling of the same round (median over rounds): "
-          + ", ".join(f"{name} {r:.3f}" for name, r in paired.items() if name != "ceiling bf16 moments"))
-    return {name: statistics.median(ceiling) / statistics.median(t) for name, t in times.items()}
+    ceiling = statistics.median(times["ceiling bf16 moments"])
+    return {name: ceiling / statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@
 
 Rounds are interleaved (round i runs every provider once, in a rotated order), so that load from other processes
 or a change of clock speed hits every provider alike; the table shows medians. Ratios: ``vs ceiling`` and
-``vs torch`` compare seconds per step of the same matrix (> 1 = faster than the ceiling/torch), where "torch" is
-``torch fused`` for the fp32 group and ``torch fused + bf16 copy`` for the bf16 group (bf16 grad in, bf16
-snapshot out); the "bf16 moments" group (state_dtype="bfloat16", 20 B/param; ``... per-column steps``: step counts
+``vs torch`` compare seconds per step of the same matrix (> 1 = faster than the ceiling/torch; ``vs ceiling, same
+round`` is the median of the per-round ratios, steadier where the machine's speed moves: ``same_round``), where
+"torch" is ``torch fused`` for the fp32 group and ``torch fused + bf16 copy`` for the bf16 group (bf16 grad in,
+bf16 snapshot out); the "bf16 moments" group (state_dtype="bfloat16", 20 B/param; ``... per-column steps``: step counts
 that differ between columns, as in training) is compared with ``ceiling bf16 moments``, a loop with its traffic,
 and the "bf16 moments, no snapshot" group (the host job with no snapshot output, 18 B/param: ``host_adamw bf16
 moments no snapshot <sel>``) with ``ceiling bf16 moments no snapshot``. ``Mparam/s`` counts every parameter of the
@@ -109,22 +110,32 @@ def table(providers: dict[str, HostAdamWProvider], times: dict[str, list[float]]
     pick = statistics.median if stat == "median" else min
     med = {name: pick(ts) for name, ts in times.items()}
     base = {"fp32": med.get("torch fused"), "bf16": med.get("torch fused + bf16 copy")}
-    ceilings = {"bf16 moments": med.get("ceiling bf16 moments"),  # each group against a ceiling of its own traffic
-                NO_SNAPSHOT: med.get("ceiling bf16 moments no snapshot")}
+    # each group against a ceiling of its own traffic
+    ceilings = {"bf16 moments": "ceiling bf16 moments", NO_SNAPSHOT: "ceiling bf16 moments no snapshot"}
     lines = [
-        f"| provider | updated | ms ({stat}) | ms (min / max) | Mparam/s | GB/s | vs ceiling | vs torch |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| provider | updated | ms ({stat}) | ms (min / max) | Mparam/s | GB/s | vs ceiling | vs ceiling, same round "
+        "| vs torch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, p in providers.items():
         t = med[name]
         ref = base.get(p.group)
-        ceiling = ceilings.get(p.group) or med.get("ceiling")
+        ceiling = times.get(ceilings.get(p.group, "ceiling")) or times.get("ceiling")
         lines.append(
             f"| {name} | {p.updated_fraction:.0%} | {t * 1e3:.1f} | {min(times[name]) * 1e3:.1f} / "
             f"{max(times[name]) * 1e3:.1f} | {p.numel / t / 1e6:.0f} | {p.numel * p.bytes_per_param / t / 1e9:.1f} | "
-            f"{(ceiling / t) if ceiling else float('nan'):.3f} | {(ref / t) if ref else float('nan'):.3f} |"
+            f"{(pick(ceiling) / t) if ceiling else float('nan'):.3f} | "
+            f"{same_round(ceiling, times[name]) if ceiling else float('nan'):.3f} | "
+            f"{(ref / t) if ref else float('nan'):.3f} |"
         )
     return "\n".join(lines)
+
+
+def same_round(ceiling: list[float], row: list[float]) -> float:
+    """Median over rounds of ``ceiling / row``, each pair timed in the same round (under a second apart). The CPU's
+    share on a shared machine can move by 1.5x between rounds independently of the memory's, and a ratio of medians
+    may then pair a slow ceiling with a fast row; this ratio follows each row's own rounds."""
+    return statistics.median(c / x for c, x in zip(ceiling, row, strict=True))
 
 
 def tune(numel: int, threads: int, rounds: int) -> None:
