@@ -9,8 +9,8 @@ parallel loop over 16K-element chunks, built from the kernel's own helpers; then
 selects``, ``without the hash`` (noise = index ^ key) and ``truncating`` (no rounding at all: the AdamW step with bf16
 loads and stores). The last three are not valid kernels: they bound what cheaper rounding could reach. The rows ``in
 L2`` do the same number of element updates with no memory traffic: each thread repeats the loop over one L2-resident
-16K-element chunk of its own. A kernel cannot take less time than its arithmetic alone, so their ``vs ceiling`` is
-the most any overlap of that arithmetic with the memory traffic could reach. Findings:
+row-sized chunk of its own (16K elements). A kernel cannot take less time than its arithmetic alone, so their
+``vs ceiling`` is the most any overlap of that arithmetic with the memory traffic could reach. Findings:
 bench/results/host-bf16-moments-loops-2026-12-07.md, bench/results/host-bf16-moments-bound-2026-12-07.md.
 """
 
@@ -34,7 +34,7 @@ from zenflow_triton.kernels._bf16_moments import _bf16_rne, _lowbias32, _sr_bf16
 from zenflow_triton.kernels._numba_utils import U16, U32, f32_bits, flat_view, load_grad, scalar_hyperparams
 
 LOOPS = ("loop", "loop without the NaN selects", "loop without the hash", "loop truncating")
-IN_L2 = {"loop in L2": 0, "loop truncating in L2": 3}  # row -> LOOPS index
+IN_L2 = {"loop in L2": "loop", "loop truncating in L2": "loop truncating"}  # row -> the LOOPS row it repeats
 _STEP = 5  # the step count the noise and the bias corrections use
 
 
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loops = dict(zip(LOOPS, map(_make_loop, range(len(LOOPS)))))
     for name, loop in loops.items():
         steps[name] = functools.partial(loop, *views, *loop_args(), 16384, 0)
-    for name, variant in IN_L2.items():  # chunks of one row (cols | numel), one region per thread
-        steps[name] = functools.partial(loops[LOOPS[variant]], *views, *loop_args(), cols, args.threads)
+    for name, loop in IN_L2.items():  # chunks of one row (cols | numel), one region per thread
+        steps[name] = functools.partial(loops[loop], *views, *loop_args(), cols, args.threads)
     rows_ = {name: HostAdamWProvider(name, step, rows * cols, BYTES_PER_PARAM["bf16 moments"], 1.0, "bf16 moments")
              for name, step in steps.items()}
     times = measure(rows_, args.rounds)
